@@ -1,0 +1,79 @@
+"""Choosing an expert backend: ``auto`` or a name, with a reason for every backend not chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .hw import CpuInfo, cpu_info
+from .plugins import Registry, get_registry
+from .specs import ExpertBackendSpec, import_object
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    spec: Optional[ExpertBackendSpec]
+    # every registered backend -> None when usable for this request, else why not
+    reasons: dict
+
+
+def unusable_reason(spec: ExpertBackendSpec, cpu: CpuInfo, weight_format: str = "auto",
+                    need_backward: bool = False, need_lora: bool = False) -> Optional[str]:
+    """Why ``spec`` cannot serve this request on this CPU, or None."""
+    missing = cpu.missing(spec.required_cpu_features)
+    if missing:
+        return f"CPU lacks {', '.join(missing)}"
+    if "amx_tile" in spec.required_cpu_features and not cpu.amx_permission:
+        return cpu.amx_permission_reason or "no AMX tile permission"
+    if weight_format != "auto" and weight_format not in spec.weight_formats:
+        return f"weight format {weight_format!r} not supported (has {', '.join(spec.weight_formats)})"
+    if need_backward and not spec.supports_backward:
+        return "no backward pass (training needs one)"
+    if need_lora and not spec.supports_lora:
+        return "no expert LoRA"
+    if spec.probe is not None:
+        try:
+            why = spec.probe()
+        except Exception as exc:  # noqa: BLE001 - a probe must never take the caller down
+            why = f"probe failed: {type(exc).__name__}: {exc}"
+        if why:
+            return str(why)
+    return None
+
+
+def resolve_backend(name: str = "auto", *, weight_format: str = "auto", need_backward: bool = False,
+                    need_lora: bool = False, registry: Optional[Registry] = None,
+                    cpu: Optional[CpuInfo] = None) -> BackendChoice:
+    registry = registry or get_registry()
+    cpu = cpu or cpu_info()
+    specs = registry.specs("expert_backend")
+    reasons = {n: unusable_reason(s, cpu, weight_format, need_backward, need_lora) for n, s in specs.items()}
+    if name != "auto":
+        unavailable = {n: r for n, r in reasons.items() if r}
+        return BackendChoice(registry.get("expert_backend", name, unavailable), reasons)
+    usable = [specs[n] for n, r in reasons.items() if r is None]
+    if not usable:
+        return BackendChoice(None, reasons)
+    best = max(usable, key=lambda s: (s.priority, s.name))
+    for spec in usable:
+        if spec is not best:
+            reasons[spec.name] = f"usable, but {best.name} has higher priority ({best.priority} > {spec.priority})"
+    return BackendChoice(best, reasons)
+
+
+def get_backend(name: str = "auto", config=None, *, need_backward: bool = False, need_lora: bool = False,
+                registry: Optional[Registry] = None):
+    """Instantiate the chosen backend with ``config`` (anything ``as_kt_config`` takes)."""
+    from .config import as_kt_config
+    from .plugins import UnknownPluginError
+
+    kt = as_kt_config(config)
+    if name == "auto":
+        name = kt.kt_backend
+    choice = resolve_backend(name, weight_format=kt.kt_expert_weight_format, need_backward=need_backward,
+                             need_lora=need_lora, registry=registry)
+    if choice.spec is None:
+        lines = [f"  {n}: {r}" for n, r in sorted(choice.reasons.items())]
+        raise UnknownPluginError("no expert backend can run here:\n" + "\n".join(lines))
+    cls = import_object(choice.spec.factory)
+    return cls(kt)

@@ -1,0 +1,104 @@
+"""Frozen descriptors returned by plugin hooks.
+
+A descriptor says what a plugin offers and how to reach it; it never does work. Anything heavy is named
+as a "module:attribute" string and imported only when the plugin is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+def import_object(ref: str):
+    """Import "package.module:attr.sub" and return the attribute."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"expected 'module:attribute', got {ref!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not name or not all(c.isalnum() or c in "_-" for c in name):
+        raise ValueError(f"{kind} name {name!r} must be non-empty and use only letters, digits, '_' and '-'")
+
+
+@dataclass(frozen=True)
+class ExpertBackendSpec:
+    """A CPU expert backend (DESIGN section 3, the op boundary)."""
+
+    name: str
+    factory: str  # "module:Class"; the class takes (config: KTConfig) and implements ExpertBackend
+    required_cpu_features: tuple[str, ...] = ()
+    weight_formats: tuple[str, ...] = ("bf16",)
+    supports_backward: bool = True
+    supports_lora: bool = True
+    priority: int = 0  # higher wins among usable backends
+    probe: Optional[Callable[[], Optional[str]]] = None  # cheap check: None if usable, else the reason
+    description: str = ""
+
+    def __post_init__(self):
+        _check_name("backend", self.name)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """A model family: where its routed experts live and how its checkpoints name them.
+
+    Key templates use ``{layer}`` and ``{expert}``; the experts module path uses ``{layer}``.
+    """
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    experts_module: str  # e.g. "model.layers.{layer}.mlp.experts"
+    # per-expert checkpoint keys (what save_pretrained writes and the Hub checkpoints hold)
+    expert_keys: dict = field(default_factory=dict)  # {"gate": ..., "up": ..., "down": ...}
+    # fused keys (transformers 5 in-memory layout, also found on disk)
+    fused_expert_keys: dict = field(default_factory=dict)  # {"gate_up": ..., "down": ...}
+    router: str = ""  # descriptive: where the router lives
+    shared_experts: str = ""  # descriptive: where shared experts live, if any
+    default_lora_targets: tuple[str, ...] = ()  # linear module names for lora_target: all
+    expert_lora_parameters: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    notes: str = ""
+
+    def __post_init__(self):
+        _check_name("architecture", self.name)
+
+
+@dataclass(frozen=True)
+class FrontendSpec:
+    """A training frontend (TRL, LLaMA-Factory, ...)."""
+
+    name: str
+    run: str  # "module:function" taking (config: TrainConfig) and returning a summary dict
+    required_packages: tuple[str, ...] = ()
+    stages: tuple[str, ...] = ("sft",)
+    description: str = ""
+
+    def __post_init__(self):
+        _check_name("frontend", self.name)
+
+
+@dataclass(frozen=True)
+class AdapterFormatSpec:
+    """An adapter file format; ``factory`` names a class with sniff/save/load/verify."""
+
+    name: str
+    factory: str
+    description: str = ""
+
+    def __post_init__(self):
+        _check_name("adapter format", self.name)
+
+
+SPEC_TYPES = {
+    "expert_backend": ExpertBackendSpec,
+    "arch": ArchSpec,
+    "frontend": FrontendSpec,
+    "adapter_format": AdapterFormatSpec,
+}
