@@ -1,0 +1,148 @@
+"""The ``ktcore`` command line (DESIGN section 5)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from . import __version__
+from .plugins import PluginError, get_registry
+
+KINDS = {"backends": "expert_backend", "archs": "arch", "frontends": "frontend",
+         "adapter-formats": "adapter_format"}
+
+
+class KtcoreGroup(click.Group):
+    """Turns ktcore's own errors into one clear line and exit code 2 instead of a traceback."""
+
+    def invoke(self, ctx):
+        from .config import ConfigError
+        from .weights.safetensors_reader import CheckpointError
+
+        try:
+            return super().invoke(ctx)
+        except (ConfigError, PluginError, CheckpointError, FileNotFoundError) as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=KtcoreGroup)
+@click.version_option(__version__, prog_name="ktcore")
+def main():
+    """Fine-tune and run MoE models bigger than the GPU: routed experts on CPU backends."""
+
+
+def _print_rows(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in columns}
+    click.echo("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip())
+    for r in rows:
+        click.echo("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns).rstrip())
+
+
+@main.command("plugins")
+@click.option("--all", "show_all", is_flag=True, help="also list broken and disabled plugins")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def plugins_cmd(show_all, as_json):
+    """Every plugin descriptor, with the distribution that registered it."""
+    records = [r for r in get_registry().records() if show_all or r.status == "ok"]
+    rows = [r.as_dict() for r in records]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        _print_rows(rows, ["name", "kind", "dist", "version", "status", "reason"])
+
+
+@main.command("list-backends")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--explain", is_flag=True, help="say why each backend is or is not chosen by auto")
+def list_backends(as_json, explain):
+    """Expert backends; the row `auto` picks on this machine is marked with *."""
+    from .select import resolve_backend
+
+    choice = resolve_backend("auto", need_backward=True)
+    registry = get_registry()
+    rows = []
+    for name, spec in sorted(registry.specs("expert_backend").items()):
+        why = choice.reasons.get(name)
+        rows.append({"name": name, "auto": choice.spec is not None and choice.spec.name == name,
+                     "usable": why is None or why.startswith("usable"), "priority": spec.priority,
+                     "features": ",".join(spec.required_cpu_features) or "-",
+                     "formats": ",".join(spec.weight_formats), "backward": spec.supports_backward,
+                     "reason": why or "chosen by auto", "description": spec.description})
+    broken = [r for r in registry.records("expert_backend") if r.status != "ok"]
+    if as_json:
+        click.echo(json.dumps({"backends": rows, "broken": [r.as_dict() for r in broken]}, indent=2))
+        return
+    for row in rows:
+        row["name"] = ("* " if row["auto"] else "  ") + row["name"]
+    columns = ["name", "priority", "features", "formats", "backward"] + (["reason"] if explain else [])
+    _print_rows(rows, columns)
+    if explain:
+        for rec in broken:
+            click.echo(f"  {rec.entry_point} ({rec.dist}): {rec.status}: {rec.reason}")
+
+
+def _list_kind(kind: str, columns: list[str], describe):
+    @click.option("--json", "as_json", is_flag=True)
+    def command(as_json):
+        registry = get_registry()
+        rows = [{"name": name, **describe(spec)} for name, spec in sorted(registry.specs(kind).items())]
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+        else:
+            _print_rows(rows, ["name"] + columns)
+    return command
+
+
+main.command("list-archs", help="Model architectures and the HF classes they handle.")(
+    _list_kind("arch", ["hf_architectures", "experts_module"],
+               lambda s: {"hf_architectures": ",".join(s.hf_architectures), "experts_module": s.experts_module}))
+main.command("list-frontends", help="Training frontends and the stages they run.")(
+    _list_kind("frontend", ["stages", "requires", "description"],
+               lambda s: {"stages": ",".join(s.stages), "requires": ",".join(s.required_packages) or "-",
+                          "description": s.description}))
+main.command("list-adapter-formats", help="Adapter file formats.")(
+    _list_kind("adapter_format", ["description"], lambda s: {"description": s.description}))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--seconds", default=0.5, show_default=True, help="time for each measured probe")
+def doctor(as_json, seconds):
+    """CPU features, AMX permission, threads, RAM, GPU, and measured peak rates."""
+    from .doctor import collect, format_report
+
+    report = collect(seconds=seconds)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.argument("config_path", metavar="CFG.yaml", type=click.Path(dir_okay=False))
+@click.option("--frontend", default="trl", show_default=True, help="training frontend plugin")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def train(config_path, frontend, overrides):
+    """Train the LoRA adapter described by CFG.yaml with a frontend (KEY=VALUE overrides keys)."""
+    from .config import load_config
+    from .frontends import run_frontend
+
+    cfg = load_config(config_path, overrides)
+    summary = run_frontend(frontend, cfg)
+    click.echo(json.dumps(summary, indent=2, default=str))
+
+
+@main.command()
+@click.option("--workdir", default="runs/demo", show_default=True, type=click.Path(file_okay=False),
+              help="where the demo model, data and adapter are written")
+@click.option("--frontend", default="trl", show_default=True)
+@click.option("--steps", default=None, type=int, help="training steps (default: the demo's own)")
+def demo(workdir, frontend, steps):
+    """Build a tiny Qwen3-MoE, train LoRA on a synthetic task, and show generations before and after."""
+    from .demo import run_demo
+
+    run_demo(workdir, frontend=frontend, steps=steps)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

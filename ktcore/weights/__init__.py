@@ -1,0 +1,1 @@
+"""Checkpoint readers (safetensors shards; GGUF comes with the architectures issue)."""

@@ -1,0 +1,152 @@
+"""transformers integration: ktcore's experts implementation and ``wrap_model``.
+
+transformers 5 dispatches every MoE experts module's forward through its ``ExpertsInterface`` keyed by
+``config._experts_implementation``. ktcore registers ``"ktcore"`` there, so HF's router, shared experts and
+attention run unchanged and only the routed-expert math reaches the backend.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import KTConfig, as_kt_config
+from .experts import ActivationBudget, ExpertLayer, ExpertWeights
+from .lora import expert_lora_of
+from .placeholder import is_placeholder, make_placeholder
+from .plugins import get_registry
+from .specs import ArchSpec
+
+EXPERTS_IMPLEMENTATION = "ktcore"
+
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                   "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
+
+
+def ktcore_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts forward transformers calls for ``experts_implementation="ktcore"``."""
+    layer: Optional[ExpertLayer] = self.__dict__.get("_ktcore_layer")
+    if layer is None:
+        raise RuntimeError(f"{type(self).__name__} runs with experts_implementation='ktcore' but its experts were "
+                           "never moved into a backend; build the model with ktcore.load_model or ktcore.wrap_model")
+    return layer(hidden_states, top_k_index, top_k_weights, expert_lora_of(self))
+
+
+def register_experts_implementation() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, ktcore_experts_forward)
+
+
+@dataclass
+class WrapInfo:
+    """What ktcore did to a model (``model.ktcore``)."""
+
+    arch: ArchSpec
+    backend: object
+    config: KTConfig
+    layers: dict  # experts module name -> ExpertLayer
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(getattr(layer.packed, "nbytes", 0) for layer in self.layers.values())
+
+
+def find_arch(hf_config, registry=None) -> ArchSpec:
+    registry = registry or get_registry()
+    archs = registry.specs("arch")
+    names = tuple(getattr(hf_config, "architectures", None) or ())
+    model_type = getattr(hf_config, "model_type", None)
+    for spec in archs.values():
+        if set(names) & set(spec.hf_architectures) or model_type in spec.model_types:
+            return spec
+    handled = sorted(a for spec in archs.values() for a in spec.hf_architectures)
+    raise ValueError(f"no ktcore architecture plugin handles {', '.join(names) or model_type!r}; handled: "
+                     f"{', '.join(handled) or '(none)'} (see `ktcore list-archs`)")
+
+
+def experts_pattern(arch: ArchSpec) -> re.Pattern:
+    return re.compile(re.escape(arch.experts_module).replace(re.escape("{layer}"), r"(\d+)") + "$")
+
+
+def expert_modules(model, arch: ArchSpec) -> list[tuple[int, str, torch.nn.Module]]:
+    """(layer index, module name, module) of every routed-experts module, in layer order."""
+    pattern = experts_pattern(arch)
+    found = []
+    for name, module in model.named_modules():
+        match = pattern.search(name)
+        if match and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            found.append((int(match.group(1)), name, module))
+    return sorted(found, key=lambda item: item[0])
+
+
+def activation_name(hf_config) -> str:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act not in _HF_ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} has no ktcore expert kernel; supported: {', '.join(_HF_ACTIVATIONS)}")
+    return _HF_ACTIVATIONS[act]
+
+
+def check_experts_module(module, name: str) -> None:
+    for flag, ok in (("has_bias", False), ("has_gate", True), ("has_post_expert_norm", False)):
+        if getattr(module, flag, ok) != ok:
+            raise ValueError(f"{name}: experts with {flag}={not ok} are not supported by ktcore yet")
+
+
+def canonical_weights(module, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+    """HF experts tensors -> ExpertWeights (gate/up [E, I, H], down [E, H, I])."""
+    if getattr(module, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if not getattr(module, "is_concatenated", True):
+        return ExpertWeights(gate_up[:, 0::2], gate_up[:, 1::2], down)
+    return ExpertWeights.from_fused(gate_up, down)
+
+
+def install_layer(module, layer: ExpertLayer, dtype, device) -> None:
+    """Swap the experts' parameters for placeholders and attach the backend layer."""
+    module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
+    module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
+    module.__dict__["_ktcore_layer"] = layer  # plain attribute: not a submodule, not in state_dict
+
+
+def prepare(model, config, need_backward: bool = True):
+    """Common set-up of wrap_model and load_model: (KTConfig, arch, backend, budget, experts modules)."""
+    from .select import get_backend
+
+    if hasattr(model, "peft_config"):
+        raise ValueError("wrap the base model with ktcore before PEFT (get_peft_model / PeftModel.from_pretrained)")
+    kt = as_kt_config(config)
+    arch = find_arch(model.config)
+    modules = expert_modules(model, arch)
+    if not modules:
+        raise ValueError(f"found no routed-experts modules matching {arch.experts_module!r} in this "
+                         f"{type(model).__name__}")
+    for _, name, module in modules:
+        check_experts_module(module, name)
+    backend = get_backend(kt.kt_backend, kt, need_backward=need_backward, need_lora=need_backward)
+    return kt, arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
+
+
+def finish(model, kt, arch, backend, layers) -> None:
+    register_experts_implementation()
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers)
+
+
+def wrap_model(model, config=None, need_backward: bool = True):
+    """Move the routed experts of a loaded HF model into the CPU backend, in place; returns the model."""
+    kt, arch, backend, budget, modules = prepare(model, config, need_backward)
+    act = activation_name(model.config)
+    layers = {}
+    for _, name, module in modules:
+        if is_placeholder(module.gate_up_proj):
+            raise ValueError(f"{name} is already wrapped by ktcore")
+        weights = canonical_weights(module, module.gate_up_proj.detach(), module.down_proj.detach())
+        layer = ExpertLayer(backend, backend.pack(weights, activation=act), budget, kt.kt_cpu_activation, name)
+        install_layer(module, layer, module.gate_up_proj.dtype, module.gate_up_proj.device)
+        layers[name] = layer
+    finish(model, kt, arch, backend, layers)
+    return model
