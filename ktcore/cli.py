@@ -19,11 +19,16 @@ class KtcoreGroup(click.Group):
 
     def invoke(self, ctx):
         from .config import ConfigError
-        from .weights.safetensors_reader import CheckpointError
 
         try:
             return super().invoke(ctx)
-        except (ConfigError, PluginError, CheckpointError, FileNotFoundError) as exc:
+        except Exception as exc:
+            # the checkpoint reader imports torch: only a command that loaded it can raise its error, and
+            # importing it here would make every listing pay for torch
+            reader = sys.modules.get("ktcore.weights.safetensors_reader")
+            ours = (ConfigError, PluginError, FileNotFoundError) + ((reader.CheckpointError,) if reader else ())
+            if not isinstance(exc, ours):
+                raise
             click.echo(f"error: {exc}", err=True)
             ctx.exit(2)
 

@@ -149,7 +149,8 @@ class Registry:
             self._records.append(PluginRecord(spec.name, kind, status="ok", spec=spec, **row))
 
     def _broken(self, name: str, kind: str, row: dict, exc: BaseException) -> None:
-        reason = f"{type(exc).__name__}: {exc}"
+        # one line: the reason goes into tables and one-line errors (pluggy's messages span several lines)
+        reason = f"{type(exc).__name__}: " + "; ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip())
         if self.strict:
             raise PluginError(f"plugin {row['entry_point']!r} from {row['dist']} {row['version']} failed to "
                               f"load: {reason} (unset KTCORE_STRICT_PLUGINS to skip it)") from exc
