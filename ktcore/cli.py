@@ -66,7 +66,7 @@ def list_backends(as_json, explain):
     """Expert backends; the row `auto` picks on this machine is marked with *."""
     from .select import resolve_backend
 
-    choice = resolve_backend("auto", need_backward=True)
+    choice = resolve_backend("auto", need_backward=True, need_lora=True)  # what training (wrap_model) picks
     registry = get_registry()
     rows = []
     for name, spec in sorted(registry.specs("expert_backend").items()):
