@@ -216,7 +216,7 @@ def _build(cls, data: dict, where: str, prefix: str = ""):
     values = {}
     for name, value in data.items():
         if name not in known:
-            raise ConfigError(f"{where}: unknown key {prefix}{name!r}{_nearest(name, known)}")
+            raise ConfigError(f"{where}: unknown key {prefix + str(name)!r}{_nearest(str(name), known)}")
         f = known[name]
         if f.name == "kt_config":
             if value is None:
@@ -306,7 +306,10 @@ def translate_legacy(data: dict, where: str, base_dir: Path) -> tuple[dict, list
             flat.update(value)
         else:
             flat[key] = value
-    kt_section = dict(flat.pop("kt_config", None) or {})
+    kt_section = flat.pop("kt_config", None) or {}
+    if not isinstance(kt_section, dict):
+        raise ConfigError(f"{where}: kt_config must be a mapping of kt_* keys, got {kt_section!r}")
+    kt_section = dict(kt_section)
     if "cpu_infer" in flat:
         kt_section["kt_num_threads"] = flat.pop("cpu_infer")
         notes.append(f"cpu_infer -> kt_config.kt_num_threads={kt_section['kt_num_threads']}")
