@@ -112,7 +112,7 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def build_demo_files(workdir, steps: int = DEFAULT_STEPS, seed: int = 0, n_train: int = 2000, n_test: int = 8,
+def build_demo_files(workdir, steps: int = DEFAULT_STEPS, seed: int = 0, n_train: int = 2000, n_test: int = 16,
                      **yaml_overrides) -> dict:
     """Write model/, data/ and demo.yaml into ``workdir``; returns their paths and the held-out examples."""
     workdir = Path(workdir).resolve()

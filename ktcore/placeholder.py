@@ -70,7 +70,7 @@ class ExpertWeightPlaceholder(torch.Tensor):
             if kwargs.get("beta", 1) != 1 or this.lora is not None:
                 raise ExpertWeightsUnavailable("ktcore supports one active LoRA adapter on routed experts")
             return this._like(lora=(lhs, rhs, kwargs.get("alpha", 1)))
-        if packet is aten.add and isinstance(this, ExpertWeightPlaceholder):
+        if packet is aten.add and isinstance(args[1], torch.Tensor) and tuple(args[1].shape) == tuple(this.shape):
             raise ExpertWeightsUnavailable(
                 "this PEFT version applies expert LoRA by materialising the full [experts, out, in] delta, which "
                 "ktcore does not do; upgrade peft to a version with LoRA factor folding (peft >= 0.19), "

@@ -1,0 +1,46 @@
+// Kernel table: the leaf routines of the amx_bf16 backend. Two tables exist: "amx" (AMX tiles + AVX-512,
+// compiled with AMX flags in kernels_amx.cpp, used only after the AMX permission check succeeded) and
+// "portable" (plain C++, any x86-64, used to test the orchestration on CPUs without AMX).
+//
+// Packed weight layout (one matrix W [N, K], row n = output n): blocks of 16 outputs x 32 inputs,
+// block (nb, kb) at ((nb * KB) + kb) * 512 uint16; inside a block element (n, k) sits at
+// (k / 2) * 32 + n * 2 + (k % 2)  -- the AMX B-tile / VNNI pair layout (16 rows of 64 bytes).
+// A "stream" is the KB consecutive blocks of one nb.
+#pragma once
+#include <cstdint>
+
+namespace ktamx {
+
+constexpr int kBlockElems = 512;  // 16 x 32 bf16
+
+struct KernelTable {
+  const char* name;
+  // C[m, 0:16] (+)= A[m, 0:32kb] @ stream0^T ; C[m, 16:32] (+)= A @ stream1^T.
+  // A is bf16 row-major with lda elements per row and must have readable rows up to roundup(m, 32).
+  // C (fp32, ldc floats per row) must have roundup(m, 32) rows. acc: add to C instead of overwriting.
+  void (*gemm_block)(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, const uint16_t* B1,
+                     int64_t kb, float* C, int64_t ldc, int acc);
+  // From forward blocks fa = (2q, p) and fb = (2q+1, p) of W, build the two blocks of W^T covering
+  // W^T rows (= W columns) 32p..32p+15 (out0) and 32p+16..32p+31 (out1) and W^T columns 32q..32q+31.
+  void (*transpose_pair)(const uint16_t* fa, const uint16_t* fb, uint16_t* out0, uint16_t* out1);
+  // h[0:n] = bf16(silu(g) * u)
+  void (*silu_mul)(const float* g, const float* u, int64_t n, uint16_t* h);
+  // backward of h = silu(g) * u for one row: gh = w * gh_raw; returns dot(gh_raw, h).
+  float (*silu_mul_bwd)(const float* gh_raw, const uint16_t* h, const float* g, const float* u, int64_t n, float w,
+                        uint16_t* gg, uint16_t* gu, float* gg32, float* gu32);
+  // dst[0:n] = bf16(src), dst[n:npad] = 0; src fp32 (src_bf16 = 0) or bf16
+  void (*row_to_bf16)(const void* src, int src_bf16, int64_t n, int64_t npad, uint16_t* dst);
+  // acc[0:n] (+)= a * x  (init: overwrite)
+  void (*axpy)(float a, const float* x, float* acc, int64_t n, int init);
+  // dst[0:n] = acc (fp32 or bf16)
+  void (*store_row)(const float* acc, int64_t n, void* dst, int dst_bf16);
+  // bytes -> GB/s streaming read of [p, p + nbytes) (returns a checksum to keep the reads alive)
+  double (*read_sum)(const void* p, int64_t nbytes);
+  // runs only tile dot products for iters iterations; returns FLOPs done
+  double (*tile_loop)(int64_t iters);
+};
+
+const KernelTable* amx_kernels();
+const KernelTable* portable_kernels();
+
+}  // namespace ktamx

@@ -1,0 +1,200 @@
+// AMX BF16 + AVX-512 kernel table. This file alone is compiled with -mamx-tile -mamx-bf16 -mavx512*;
+// it uses no standard-library templates so no AVX-512 code can leak into shared inline functions.
+// Its functions run only after ktamx::amx_ready() (CPUID + arch_prctl permission) said yes.
+#include <immintrin.h>
+
+#include "kernels.hpp"
+#include "ktcore/amx.hpp"
+
+namespace ktamx {
+namespace amxk {
+
+#include "elementwise.inc"
+
+static thread_local bool tile_configured = false;
+
+static inline void ensure_tile_config() {
+  if (!tile_configured) {
+    static const ktcore::amx::TileConfig cfg = ktcore::amx::TileConfig::uniform(8, 16, 64);
+    _tile_loadconfig(&cfg);
+    tile_configured = true;
+  }
+}
+
+// few rows (decode): AVX512_BF16 dot products straight on the packed VNNI blocks
+template <int M>
+static void gemm_small(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kb,
+                       float* C, int64_t ldc, int acc) {
+  __m512 c0[M], c1[M];
+  for (int r = 0; r < M; ++r) {
+    c0[r] = acc ? _mm512_loadu_ps(C + r * ldc) : _mm512_setzero_ps();
+    c1[r] = acc ? _mm512_loadu_ps(C + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < kb; ++k) {
+    const uint16_t* b0 = B0 + k * kBlockElems;
+    const uint16_t* b1 = B1 + k * kBlockElems;
+    _mm_prefetch(reinterpret_cast<const char*>(b0 + 4 * kBlockElems), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b1 + 4 * kBlockElems), _MM_HINT_T0);
+    for (int kp = 0; kp < 16; ++kp) {
+      __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kp * 32);
+      __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kp * 32);
+      for (int r = 0; r < M; ++r) {
+        uint32_t pair;
+        __builtin_memcpy(&pair, A + r * lda + k * 32 + 2 * kp, 4);
+        __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        c0[r] = _mm512_dpbf16_ps(c0[r], x, w0);
+        c1[r] = _mm512_dpbf16_ps(c1[r], x, w1);
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    _mm512_storeu_ps(C + r * ldc, c0[r]);
+    _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
+  }
+}
+
+static void gemm_block(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, const uint16_t* B1,
+                       int64_t kb, float* C, int64_t ldc, int acc) {
+  if (m <= 0) return;
+  if (m <= 4) {
+    switch (m) {
+      case 1: gemm_small<1>(A, lda, B0, B1, kb, C, ldc, acc); return;
+      case 2: gemm_small<2>(A, lda, B0, B1, kb, C, ldc, acc); return;
+      case 3: gemm_small<3>(A, lda, B0, B1, kb, C, ldc, acc); return;
+      default: gemm_small<4>(A, lda, B0, B1, kb, C, ldc, acc); return;
+    }
+  }
+  ensure_tile_config();
+  const int64_t sa = lda * 2, sc = ldc * 4;
+  for (int64_t m0 = 0; m0 < m; m0 += 32) {
+    const uint16_t* a0 = A + m0 * lda;
+    float* c = C + m0 * ldc;
+    if (m - m0 > 16) {
+      const uint16_t* a1 = a0 + 16 * lda;
+      if (acc) {
+        _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
+        _tile_loadd(2, c + 16 * ldc, sc); _tile_loadd(3, c + 16 * ldc + 16, sc);
+      } else {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      }
+      for (int64_t k = 0; k < kb; ++k) {
+        _tile_loadd(6, B0 + k * kBlockElems, 64);
+        _tile_loadd(4, a0 + k * 32, sa);
+        _tile_loadd(7, B1 + k * kBlockElems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, a1 + k * 32, sa);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
+      _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
+    } else {
+      if (acc) {
+        _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
+      } else {
+        _tile_zero(0); _tile_zero(1);
+      }
+      for (int64_t k = 0; k < kb; ++k) {
+        _tile_loadd(4, a0 + k * 32, sa);
+        _tile_loadd(6, B0 + k * kBlockElems, 64);
+        _tile_loadd(7, B1 + k * kBlockElems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
+    }
+  }
+}
+
+// 16x16 transpose of 32-bit elements held in 16 zmm registers (in place).
+static inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // u[4i + c], 128-bit lane L = column 4L + c, rows 4i..4i+3
+  for (int c = 0; c < 4; ++c) {
+    __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+    __m512i w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(v, v2, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v, v2, 0xDD);
+    r[4 + c] = _mm512_shuffle_i32x4(w, w2, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(w, w2, 0xDD);
+  }
+}
+
+static void transpose_pair(const uint16_t* fa, const uint16_t* fb, uint16_t* out0, uint16_t* out1) {
+  // rows of a forward block: kp (pair of k) x 16 n as 32-bit words; transposed: row n = W[n][0:32]
+  __m512i ra[16], rb[16];
+  for (int i = 0; i < 16; ++i) {
+    ra[i] = _mm512_loadu_si512(fa + i * 32);
+    rb[i] = _mm512_loadu_si512(fb + i * 32);
+  }
+  transpose16x16(ra);
+  transpose16x16(rb);
+  // out_half[np][kk][j] = W[2np + j][16 half + kk]
+  alignas(64) uint16_t idx0[32], idx1[32];
+  for (int kk = 0; kk < 16; ++kk)
+    for (int j = 0; j < 2; ++j) {
+      idx0[2 * kk + j] = static_cast<uint16_t>((j ? 32 : 0) + kk);
+      idx1[2 * kk + j] = static_cast<uint16_t>((j ? 32 : 0) + 16 + kk);
+    }
+  const __m512i i0 = _mm512_load_si512(idx0), i1 = _mm512_load_si512(idx1);
+  for (int np = 0; np < 16; ++np) {
+    const __m512i lo = np < 8 ? ra[2 * np] : rb[2 * np - 16];
+    const __m512i hi = np < 8 ? ra[2 * np + 1] : rb[2 * np - 15];
+    _mm512_storeu_si512(out0 + np * 32, _mm512_permutex2var_epi16(lo, i0, hi));
+    _mm512_storeu_si512(out1 + np * 32, _mm512_permutex2var_epi16(lo, i1, hi));
+  }
+}
+
+static double read_sum(const void* p, int64_t nbytes) {
+  const char* c = static_cast<const char*>(p);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t n = nbytes / 256;
+  for (int64_t i = 0; i < n; ++i) {
+    const char* q = c + i * 256;
+    a0 = _mm512_add_epi64(a0, _mm512_load_si512(q));
+    a1 = _mm512_add_epi64(a1, _mm512_load_si512(q + 64));
+    a2 = _mm512_add_epi64(a2, _mm512_load_si512(q + 128));
+    a3 = _mm512_add_epi64(a3, _mm512_load_si512(q + 192));
+  }
+  a0 = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
+  return static_cast<double>(_mm512_reduce_add_epi64(a0) & 0xFF);
+}
+
+static double tile_loop(int64_t iters) {
+  ensure_tile_config();
+  alignas(64) static const uint16_t zeros[512] = {};
+  _tile_loadd(4, zeros, 64); _tile_loadd(5, zeros, 64);
+  _tile_loadd(6, zeros, 64); _tile_loadd(7, zeros, 64);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float sink[256];
+  _tile_stored(0, sink, 64);
+  return static_cast<double>(iters) * 4.0 * 2.0 * 16 * 16 * 32;
+}
+
+static const KernelTable table = {"amx", gemm_block, transpose_pair, ew_silu_mul, ew_silu_mul_bwd,
+                                  ew_row_to_bf16, ew_axpy, ew_store_row, read_sum, tile_loop};
+
+}  // namespace amxk
+
+const KernelTable* amx_kernels() { return &amxk::table; }
+
+}  // namespace ktamx

@@ -1,0 +1,111 @@
+"""``ktcore doctor``: what this machine offers the expert backends, with short measured probes.
+
+The peak rates are the yardsticks the benchmarks divide by: DRAM read bandwidth (memory-bound expert
+layers) and bf16 matrix throughput (compute-bound ones). The AMX tile peak comes from the amx_bf16 backend's
+own tile-only loop when that backend is installed; oneDNN's bf16 GEMM rate is always measured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+
+import torch
+
+from .hw import KNOWN_FLAGS, cpu_info, total_memory_bytes
+
+
+def _best_rate(fn, seconds: float, work: float) -> float:
+    """work units per second of the fastest call of ``fn`` within ``seconds`` (at least 3 calls)."""
+    fn()  # warm up
+    best, deadline, calls = float("inf"), time.perf_counter() + seconds, 0
+    while calls < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        calls += 1
+    return work / best
+
+
+def measure_read_bandwidth(nbytes: int = 512 << 20, seconds: float = 0.5) -> float:
+    """GB/s of a multithreaded streaming read (torch sum over a buffer larger than the caches)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    return _best_rate(lambda: buf.sum(), seconds, buf.numel() * 4) / 1e9
+
+
+def measure_onednn_bf16_gflops(seconds: float = 0.5, max_n: int = 2048) -> tuple[float, int]:
+    """(GFLOP/s, n) of torch's bf16 n x n GEMM; n grows while one call stays well inside the time budget
+    (CPUs without bf16 instructions run it hundreds of times slower)."""
+    n = 256
+    while True:
+        a = torch.randn(n, n).to(torch.bfloat16)
+        b = torch.randn(n, n).to(torch.bfloat16)
+        start = time.perf_counter()
+        a @ b
+        took = time.perf_counter() - start
+        if n >= max_n or took * 8 > seconds:
+            return _best_rate(lambda: a @ b, seconds, 2.0 * n ** 3) / 1e9, n
+        n *= 2
+
+
+def measure_amx_peak_gflops(seconds: float = 0.5):
+    """(GFLOP/s, source) from the amx_bf16 backend's tile loop, or (None, reason)."""
+    info = cpu_info()
+    if not info.amx_permission:
+        return None, info.amx_permission_reason
+    try:
+        ext = importlib.import_module("ktcore_amx_bf16._ext")
+    except ImportError:
+        return None, "amx_bf16 backend not installed (pip install -e backends/amx_bf16)"
+    return float(ext.measure_amx_peak_gflops(seconds)), "amx_bf16 tile loop"
+
+
+def collect(seconds: float = 0.5) -> dict:
+    info = cpu_info()
+    report = {
+        "cpu": info.model_name,
+        "logical_cores": info.logical_cores,
+        "torch_threads": torch.get_num_threads(),
+        "flags": {flag: flag in info.flags for flag in KNOWN_FLAGS},
+        "flags_overridden_by_KTCORE_CPU_FLAGS": info.overridden,
+        "amx_permission": info.amx_permission,
+        "amx_permission_reason": info.amx_permission_reason,
+        "ram_gib": round(total_memory_bytes() / 2**30, 1),
+        "torch": torch.__version__,
+        "gpu": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else [],
+    }
+    report["dram_read_gbps"] = round(measure_read_bandwidth(seconds=seconds), 1)
+    gemm, n = measure_onednn_bf16_gflops(seconds=seconds)
+    report["onednn_bf16_gemm_gflops"], report["onednn_bf16_gemm_n"] = round(gemm, 1), n
+    peak, source = measure_amx_peak_gflops(seconds)
+    report["amx_bf16_peak_gflops"] = None if peak is None else round(peak, 1)
+    report["amx_bf16_peak_source"] = source
+    from .select import resolve_backend
+
+    choice = resolve_backend("auto", need_backward=True)
+    report["auto_backend"] = choice.spec.name if choice.spec else None
+    report["threads_env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "KTCORE_CPU_FLAGS") if k in os.environ}
+    return report
+
+
+def format_report(report: dict) -> str:
+    flags = " ".join(f"{f}{'+' if ok else '-'}" for f, ok in report["flags"].items())
+    lines = [
+        f"CPU            {report['cpu']} ({report['logical_cores']} logical cores, torch uses "
+        f"{report['torch_threads']} threads)",
+        f"features       {flags}" + ("  (from KTCORE_CPU_FLAGS)" if report["flags_overridden_by_KTCORE_CPU_FLAGS"]
+                                      else ""),
+        f"AMX permission {'granted' if report['amx_permission'] else 'no: ' + report['amx_permission_reason']}",
+        f"RAM            {report['ram_gib']} GiB",
+        f"GPU            {', '.join(report['gpu']) or 'none (everything runs on the CPU)'}",
+        f"torch          {report['torch']}",
+        f"DRAM read      {report['dram_read_gbps']} GB/s (measured)",
+        f"oneDNN bf16    {report['onednn_bf16_gemm_gflops']} GFLOP/s (measured {report['onednn_bf16_gemm_n']}^3 GEMM)",
+        "AMX bf16 peak  " + (f"{report['amx_bf16_peak_gflops']} GFLOP/s (measured, {report['amx_bf16_peak_source']})"
+                             if report["amx_bf16_peak_gflops"] is not None
+                             else f"not measured: {report['amx_bf16_peak_source']}"),
+        f"auto backend   {report['auto_backend']}",
+    ]
+    return "\n".join(lines)

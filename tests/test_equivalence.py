@@ -1,0 +1,185 @@
+"""ktcore-wrapped Qwen3-MoE against the unmodified transformers model (fp32): logits, loss, LoRA gradients."""
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_qwen3_moe
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import ktcore
+from ktcore.placeholder import ExpertWeightsUnavailable, is_placeholder
+from ktcore.testing import relative_error
+
+TORCH = {"kt_backend": "torch"}
+
+
+def batch(seed=0, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in the second row
+    return ids, mask
+
+
+def lora_config():
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                      init_lora_weights=False)
+
+
+def peft_pair(plain, wrapped):
+    torch.manual_seed(7)
+    a = get_peft_model(plain, lora_config())
+    torch.manual_seed(7)
+    b = get_peft_model(wrapped, lora_config())
+    return a, b
+
+
+def lora_grads(model, ids, mask):
+    model.zero_grad()
+    out = model(ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_training_signal(plain, ours, ids, mask):
+    ref, ref_grads = lora_grads(plain, ids, mask)
+    got, got_grads = lora_grads(ours, ids, mask)
+    assert relative_error(got.logits, ref.logits) <= 1e-5
+    assert abs(got.loss.item() - ref.loss.item()) <= 1e-5 * abs(ref.loss.item())
+    assert set(got_grads) == set(ref_grads)
+    expert_grads = [n for n in ref_grads if "experts" in n]
+    assert len(expert_grads) == 2 * 2 * 2  # 2 MoE layers x (gate_up, down) x (A, B)
+    for name in ref_grads:
+        assert ref_grads[name].norm() > 0, name
+        assert relative_error(got_grads[name], ref_grads[name]) <= 1e-4, name
+
+
+def test_wrapped_forward_matches_transformers(qwen3_pair):
+    plain, ours = qwen3_pair
+    ktcore.wrap_model(ours, TORCH)
+    ids, mask = batch()
+    ref = plain(ids, attention_mask=mask, labels=ids)
+    got = ours(ids, attention_mask=mask, labels=ids)
+    assert relative_error(got.logits, ref.logits) <= 1e-5
+    assert abs(got.loss.item() - ref.loss.item()) <= 1e-5 * ref.loss.item()
+    # the experts really moved: placeholders in the model, weights in the backend
+    experts = ours.model.layers[0].mlp.experts
+    assert is_placeholder(experts.gate_up_proj) and is_placeholder(experts.down_proj)
+    assert ours.get_experts_implementation() in ("ktcore", {"": "ktcore"}) or "ktcore" in str(
+        ours.get_experts_implementation())
+    assert ours.num_parameters() == plain.num_parameters()
+    assert ours.ktcore.packed_bytes > 0
+
+
+def test_expert_lora_gradients_match_peft_on_transformers(qwen3_pair):
+    plain, ours = qwen3_pair
+    ktcore.wrap_model(ours, TORCH)
+    a, b = peft_pair(plain, ours)
+    assert_same_training_signal(a, b, *batch(1))
+
+
+@pytest.mark.parametrize("kt", [{"kt_cpu_activation": "recompute"}, {"kt_config": {"kt_max_cache_depth": 1}}],
+                         ids=["recompute", "cache-depth-1"])
+def test_saved_activation_policies_give_the_same_gradients(qwen3_pair, kt):
+    plain, ours = qwen3_pair
+    cfg = {**kt, "kt_config": {**TORCH, **kt.get("kt_config", {})}}
+    ktcore.wrap_model(ours, cfg)
+    assert_same_training_signal(*peft_pair(plain, ours), *batch(2))
+    budget = next(iter(ours.ktcore.layers.values())).budget
+    assert budget.in_use == 0  # every saved context was consumed by backward
+
+
+def test_disable_adapter_disables_expert_lora(qwen3_pair):
+    plain, ours = qwen3_pair
+    base_logits = plain(batch()[0]).logits
+    ktcore.wrap_model(ours, TORCH)
+    _, model = peft_pair(copy.deepcopy(plain), ours)
+    ids, _ = batch()
+    with torch.no_grad():
+        with_lora = model(ids).logits
+        with model.disable_adapter():
+            without = model(ids).logits
+    assert relative_error(without, base_logits) <= 1e-5
+    assert relative_error(with_lora, base_logits) > 1e-3  # the (non-zero) LoRA did change the output
+
+
+def test_load_model_from_checkpoint_matches(tmp_path):
+    plain = tiny_qwen3_moe(seed=3)
+    plain.save_pretrained(tmp_path / "model")
+    ours = ktcore.load_model(tmp_path / "model", TORCH, progress=False)
+    assert set(ours.ktcore.layers) == {"model.layers.0.mlp.experts", "model.layers.2.mlp.experts"}
+    assert_same_training_signal(*peft_pair(plain, ours), *batch(3))
+
+
+def test_load_model_with_tied_embeddings(tmp_path):
+    plain = tiny_qwen3_moe(seed=4, tie_word_embeddings=True)
+    plain.save_pretrained(tmp_path / "model")
+    ours = ktcore.load_model(tmp_path / "model", TORCH, progress=False)
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    ids, mask = batch()
+    assert relative_error(ours(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits) <= 1e-5
+
+
+def test_adapter_interop_both_ways(tmp_path, qwen3_pair):
+    plain, ours = qwen3_pair
+    ktcore.wrap_model(ours, TORCH)
+    pristine = copy.deepcopy(plain)
+    a, b = peft_pair(copy.deepcopy(plain), ours)
+    ids, mask = batch(5)
+    # ktcore-trained adapter -> plain PEFT on plain transformers
+    b.save_pretrained(tmp_path / "from_ktcore")
+    loaded = PeftModel.from_pretrained(copy.deepcopy(pristine), tmp_path / "from_ktcore")
+    with torch.no_grad():
+        assert relative_error(loaded(ids, attention_mask=mask).logits,
+                              b(ids, attention_mask=mask).logits) <= 1e-5
+    # plain PEFT adapter -> ktcore
+    a.save_pretrained(tmp_path / "from_peft")
+    ours2 = ktcore.wrap_model(copy.deepcopy(pristine), TORCH)
+    loaded2 = PeftModel.from_pretrained(ours2, tmp_path / "from_peft")
+    with torch.no_grad():
+        assert relative_error(loaded2(ids, attention_mask=mask).logits,
+                              a(ids, attention_mask=mask).logits) <= 1e-5
+
+
+def test_generate_matches(qwen3_pair):
+    plain, ours = qwen3_pair
+    ktcore.wrap_model(ours, TORCH)
+    ids = batch()[0][:1, :5]
+    ref = plain.generate(ids, max_new_tokens=6, do_sample=False)
+    got = ours.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(ref, got)
+
+
+def test_placeholders_refuse_to_be_read(qwen3_pair):
+    _, ours = qwen3_pair
+    ktcore.wrap_model(ours, TORCH)
+    experts = ours.model.layers[0].mlp.experts
+    with pytest.raises(ExpertWeightsUnavailable, match="CPU expert backend"):
+        experts.gate_up_proj + 1
+    with pytest.raises(ExpertWeightsUnavailable, match="ktcore export"):
+        torch.save(ours.state_dict(), "/dev/null")
+    with pytest.raises(ValueError, match="already wrapped"):
+        ktcore.wrap_model(ours, TORCH)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_gpu_attention_cpu_experts_bf16(tmp_path):
+    """Attention, router and LM head on CUDA, routed experts on the CPU torch backend, in bf16."""
+    plain = tiny_qwen3_moe(seed=6)
+    plain.save_pretrained(tmp_path / "model")
+    ref_model = copy.deepcopy(plain).to("cuda", torch.bfloat16)
+    ours = ktcore.load_model(tmp_path / "model", {"kt_backend": "torch"}, device="cuda", dtype=torch.bfloat16,
+                             progress=False)
+    assert ours.lm_head.weight.device.type == "cuda"
+    assert ours.model.layers[0].mlp.experts.gate_up_proj.device.type == "cuda"  # placeholder only
+    a, b = peft_pair(ref_model, ours)
+    ids, mask = (t.cuda() for t in batch(8))
+    ref, ref_grads = lora_grads(a, ids, mask)
+    got, got_grads = lora_grads(b, ids, mask)
+    assert relative_error(got.logits.float(), ref.logits.float()) <= 2e-2
+    assert abs(got.loss.item() - ref.loss.item()) <= 2e-2 * ref.loss.item()
+    for name in ref_grads:
+        assert relative_error(got_grads[name].float(), ref_grads[name].float()) <= 5e-2, name
