@@ -11,14 +11,11 @@ namespace amxk {
 
 #include "elementwise.inc"
 
-static thread_local bool tile_configured = false;
-
+// Loaded at the start of every kernel call: another library (oneDNN inside torch, say) may have changed or
+// released this thread's tile configuration in between.
 static inline void ensure_tile_config() {
-  if (!tile_configured) {
-    static const ktcore::amx::TileConfig cfg = ktcore::amx::TileConfig::uniform(8, 16, 64);
-    _tile_loadconfig(&cfg);
-    tile_configured = true;
-  }
+  static const ktcore::amx::TileConfig cfg = ktcore::amx::TileConfig::uniform(8, 16, 64);
+  _tile_loadconfig(&cfg);
 }
 
 // few rows (decode): AVX512_BF16 dot products straight on the packed VNNI blocks

@@ -1,0 +1,283 @@
+"""The amx_bf16 expert backend: torch glue around the compiled kernels in ``ktcore_amx_bf16._ext``.
+
+Tensors cross into C++ as addresses (``data_ptr()``) and sizes only. Per call the routing is sorted by
+expert in torch (a stable argsort); C++ gathers the rows as bf16, runs gate+up in one pass with the
+SiLU(gate)*up epilogue, the down projection, and combines with the routing weights in fp32. Backward derives
+the transposed weight tiles per task from the packed weights (nothing transposed stays resident). Expert
+LoRA is applied in fp32 with small per-expert torch matmuls between the C++ phases.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
+
+_SLACK = 32  # extra rows after each gathered buffer: AMX tiles read whole 16-row groups
+
+
+def _ext():
+    from . import _ext as ext
+
+    return ext
+
+
+def _rup(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+@dataclass
+class AMXPacked:
+    gate: torch.Tensor  # int16 storage, VNNI tile blocks [E, Ip/16, Hp/32, 512]
+    up: torch.Tensor
+    down: torch.Tensor  # [E, Hp/16, Ip/32, 512]
+    num_experts: int
+    hidden: int
+    inter: int
+    activation: str = "silu"
+
+    @property
+    def hidden_padded(self) -> int:
+        return _rup(self.hidden, 32)
+
+    @property
+    def inter_padded(self) -> int:
+        return _rup(self.inter, 32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+@dataclass
+class _Route:
+    T: int
+    K: int
+    R: int
+    offsets: torch.Tensor  # int64 [E+1]
+    row_tok: torch.Tensor  # int32 [R]
+    row_of: torch.Tensor  # int32 [T*K], -1 for no expert
+    order: torch.Tensor  # int64 [R]: flat slot index of each row
+    w_flat: torch.Tensor  # fp32 [T*K]
+    w_row: torch.Tensor  # fp32 [R]
+    counts: list  # rows per expert (python ints)
+
+
+@dataclass
+class AMXSaved:
+    x: torch.Tensor
+    route: _Route
+    g: torch.Tensor  # fp32 [R, I] gate pre-activation (LoRA included)
+    u: torch.Tensor  # fp32 [R, I]
+    h: torch.Tensor  # bf16 [R+slack, Ip]  silu(g) * u as the down projection saw it
+    w_dtype: torch.dtype
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class AMXBF16Backend(ExpertBackendBase):
+    """AMX BF16 expert backend. ``kernels="portable"`` (tests only) runs the same code with plain C++ kernels."""
+
+    name = "amx_bf16"
+
+    def __init__(self, config=None, kernels: Optional[str] = None):
+        super().__init__(config)
+        ext = _ext()
+        kernels = kernels or os.environ.get("KTCORE_AMX_BF16_KERNELS", "amx")
+        if kernels == "amx":
+            why = ext.amx_unavailable_reason()
+            if why:
+                raise RuntimeError(f"the amx_bf16 backend cannot run here: {why}; choose kt_backend: torch "
+                                   "(or auto) on this CPU")
+        kt = self.config
+        threads = kt.kt_num_threads or len(os.sched_getaffinity(0))
+        pools = kt.kt_threadpool_count if kt.kt_tp_enabled else 1
+        self._engine = ext.Engine(int(threads), int(pools), kernels)
+
+    @property
+    def num_threads(self) -> int:
+        return self._engine.num_threads
+
+    @property
+    def num_pools(self) -> int:
+        return self._engine.num_pools
+
+    # -- pack ----------------------------------------------------------------------------------------------
+    def pack(self, weights: ExpertWeights, activation: str = "silu") -> AMXPacked:
+        weights.validate()
+        if activation != "silu":
+            raise ValueError(f"the amx_bf16 backend implements the silu activation only, not {activation!r}; "
+                             "use kt_backend: torch for this model")
+        fmt = self.config.kt_expert_weight_format
+        if fmt not in ("auto", "bf16"):
+            raise ValueError(f"the amx_bf16 backend packs bf16 experts, not {fmt!r}; set "
+                             "kt_config.kt_expert_weight_format to auto or bf16")
+        e, i, h = weights.gate.shape
+        hp, ip = _rup(h, 32), _rup(i, 32)
+
+        def pack_one(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+            dst = torch.empty(e * (_rup(n, 32) // 16) * (_rup(k, 32) // 32) * 512, dtype=torch.int16)
+            for e0 in range(0, e, 16):  # convert a few experts at a time: bounded extra memory
+                src = w[e0:e0 + 16].detach().to("cpu", torch.bfloat16).contiguous()
+                per = (_rup(n, 32) // 16) * (_rup(k, 32) // 32) * 512
+                self._engine.pack(src.data_ptr(), src.shape[0], n, k, dst[e0 * per:].data_ptr())
+            return dst
+
+        return AMXPacked(pack_one(weights.gate, i, h), pack_one(weights.up, i, h), pack_one(weights.down, h, i),
+                         e, h, i, activation)
+
+    # -- routing -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> _Route:
+        T, K = topk_ids.shape
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        valid = (flat >= 0) & (flat < num_experts)
+        key = torch.where(valid, flat, torch.full_like(flat, num_experts))
+        order = torch.argsort(key, stable=True)
+        counts_all = torch.bincount(key, minlength=num_experts + 1)
+        counts = counts_all[:num_experts]
+        R = int(counts.sum())
+        order = order[:R].contiguous()
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(counts, 0)
+        row_tok = torch.div(order, K, rounding_mode="floor").to(torch.int32)
+        row_of = torch.full((T * K,), -1, dtype=torch.int32)
+        row_of[order] = torch.arange(R, dtype=torch.int32)
+        w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        return _Route(T, K, R, offsets, row_tok.contiguous(), row_of, order, w_flat, w_flat[order].contiguous(),
+                      counts.tolist())
+
+    def _gather(self, src: torch.Tensor, route: _Route, hp: int) -> torch.Tensor:
+        if src.dtype not in (torch.float32, torch.bfloat16):
+            src = src.float()
+        src = src.contiguous()
+        out = torch.empty(route.R + _SLACK, hp, dtype=torch.bfloat16)
+        out[route.R:].zero_()
+        self._engine.gather(src.data_ptr(), src.dtype == torch.bfloat16, src.shape[1], src.shape[1], hp,
+                            route.row_tok.data_ptr(), route.R, out.data_ptr())
+        return out
+
+    @staticmethod
+    def _segments(route: _Route):
+        start = 0
+        for e, n in enumerate(route.counts):
+            if n:
+                yield e, start, start + n
+            start += n
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, packed: AMXPacked, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA] = None,
+                save: bool = False):
+        if x.dim() != 2 or x.shape[1] != packed.hidden:
+            raise ValueError(f"x must be [T, {packed.hidden}], got {tuple(x.shape)}")
+        eng = self._engine
+        E, H, I = packed.num_experts, packed.hidden, packed.inter
+        hp, ip = packed.hidden_padded, packed.inter_padded
+        route = self._route(topk_ids, topk_weights, E)
+        R = route.R
+        lora_gu = lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None
+        lora_dn = lora is not None and lora.down_a is not None and lora.down_b is not None
+
+        xs = self._gather(x, route, hp)
+        h = torch.empty(R + _SLACK, ip, dtype=torch.bfloat16)
+        h[R:].zero_()
+        keep_gu = save or lora_gu
+        g = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
+        u = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
+        off = route.offsets
+        eng.gate_up(xs.data_ptr(), off.data_ptr(), packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I,
+                    h.data_ptr(), _addr(g), _addr(u), not lora_gu)
+        if lora_gu:
+            a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
+            xf = x.float()
+            for e, r0, r1 in self._segments(route):
+                xe = xf[route.row_tok[r0:r1].long()]
+                delta = (xe @ a[e].float().T) @ b[e].float().T
+                g[r0:r1].add_(delta[:, :I], alpha=s)
+                u[r0:r1].add_(delta[:, I:], alpha=s)
+            eng.silu_mul(g.data_ptr(), u.data_ptr(), R, I, ip, h.data_ptr())
+        parts = torch.empty(eng.num_pools, R, H, dtype=torch.float32)
+        eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr())
+        if lora_dn:
+            a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
+            for e, r0, r1 in self._segments(route):
+                he = h[r0:r1, :I].float()
+                parts[0, r0:r1].add_((he @ a[e].float().T) @ b[e].float().T, alpha=s)
+        out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        y = torch.empty(route.T, H, dtype=out_dtype)
+        eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
+                    route.T, route.K, y.data_ptr(), out_dtype == torch.bfloat16)
+        if out_dtype != x.dtype:
+            y = y.to(x.dtype)
+        ctx = AMXSaved(x, route, g, u, h, topk_weights.dtype) if save else None
+        return y, ctx
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def backward(self, packed: AMXPacked, ctx: AMXSaved, grad_y, lora: Optional[ExpertLoRA] = None):
+        if ctx is None:
+            raise ValueError("backward needs the context of forward(..., save=True)")
+        eng = self._engine
+        E, H, I = packed.num_experts, packed.hidden, packed.inter
+        hp, ip = packed.hidden_padded, packed.inter_padded
+        route = ctx.route
+        R, T, K = route.R, route.T, route.K
+        off = route.offsets
+        lora_gu = lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None
+        lora_dn = lora is not None and lora.down_a is not None and lora.down_b is not None
+        grads = ExpertLoRAGrads()
+
+        gys = self._gather(grad_y, route, hp)
+        gh = torch.empty(R, I, dtype=torch.float32)
+        eng.bwd_down(gys.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, gh.data_ptr())
+        if lora_dn:
+            a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
+            da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
+            gyf = grad_y.float()
+            for e, r0, r1 in self._segments(route):
+                ge = gyf[route.row_tok[r0:r1].long()]  # [m, H] unweighted
+                we = route.w_row[r0:r1].unsqueeze(1)
+                he = ctx.h[r0:r1, :I].float()
+                ae, be = a[e].float(), b[e].float()
+                q = ge @ be  # [m, r]
+                gh[r0:r1].add_(q @ ae, alpha=s)
+                da[e] = s * ((we * q).T @ he)
+                db[e] = s * ((we * ge).T @ (he @ ae.T))
+            grads.down_a, grads.down_b = da.to(a.dtype), db.to(b.dtype)
+
+        ggu = torch.empty(R + _SLACK, 2 * ip, dtype=torch.bfloat16)
+        ggu[R:].zero_()
+        ggu32 = torch.empty(R, 2 * I, dtype=torch.float32) if lora_gu else None
+        gw_row = torch.empty(R, dtype=torch.float32)
+        eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(), R, I,
+                    ggu.data_ptr(), _addr(ggu32), gw_row.data_ptr())
+        del gh
+        parts = torch.empty(eng.num_pools, R, H, dtype=torch.float32)
+        eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I,
+                        parts.data_ptr())
+        if lora_gu:
+            a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
+            da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
+            xf = ctx.x.float()
+            for e, r0, r1 in self._segments(route):
+                xe = xf[route.row_tok[r0:r1].long()]
+                ge = ggu32[r0:r1]  # [m, 2I]
+                ae, be = a[e].float(), b[e].float()
+                z = ge @ be  # [m, r]
+                parts[0, r0:r1].add_(z @ ae, alpha=s)
+                da[e] = s * (z.T @ xe)
+                db[e] = s * (ge.T @ (xe @ ae.T))
+            grads.gate_up_a, grads.gate_up_b = da.to(a.dtype), db.to(b.dtype)
+        gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        grad_x = torch.empty(T, H, dtype=gx_dtype)
+        eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),
+                    gx_dtype == torch.bfloat16)
+        grad_w = torch.zeros(T * K, dtype=torch.float32)
+        grad_w[route.order] = gw_row
+        grad_w = grad_w.view(T, K).to(ctx.w_dtype)
+        return grad_x.to(grad_y.dtype), grad_w, grads

@@ -1,0 +1,41 @@
+"""Entry point ``ktcore: amx_bf16``: describes the backend without loading the compiled extension."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import ktcore
+from ktcore.specs import ExpertBackendSpec
+
+
+def probe() -> Optional[str]:
+    """None when this process can run the AMX kernels, else why not (never executes an AMX instruction)."""
+    from ktcore.hw import cpu_info
+
+    cpu = cpu_info()
+    missing = cpu.missing(("amx_tile", "amx_bf16", "avx512f", "avx512_bf16"))
+    if missing:
+        return f"CPU lacks {', '.join(missing)}"
+    try:
+        from . import _ext  # baseline-compiled glue: importing it is safe on any x86-64 CPU
+    except ImportError as exc:
+        return f"the compiled extension ktcore_amx_bf16._ext does not import: {exc}"
+    why = _ext.amx_unavailable_reason()
+    return why or None
+
+
+@ktcore.hookimpl
+def ktcore_register_expert_backends():
+    return [
+        ExpertBackendSpec(
+            name="amx_bf16",
+            factory="ktcore_amx_bf16.backend:AMXBF16Backend",
+            required_cpu_features=("amx_tile", "amx_bf16", "avx512f", "avx512_bf16"),
+            weight_formats=("auto", "bf16"),
+            supports_backward=True,
+            supports_lora=True,
+            priority=20,
+            probe=probe,
+            description="AMX BF16 tiles (AVX-512 BF16 for decode); forward, backward and expert LoRA",
+        )
+    ]

@@ -1,0 +1,487 @@
+// ktcore_amx_bf16._ext: orchestration of the MoE expert kernels and the Python binding.
+// Compiled with baseline x86-64 flags: importing this module and calling probe functions is safe on any
+// CPU; AMX/AVX-512 code lives in kernels_amx.cpp and is reached only after amx_ready() said yes.
+// Tensors cross as raw addresses (ints from torch's data_ptr()) plus sizes; nothing here links libtorch.
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels.hpp"
+#include "ktcore/amx.hpp"
+#include "ktcore/tensor_view.hpp"
+#include "ktcore/thread_pool.hpp"
+
+namespace py = pybind11;
+using ktcore::ThreadPool;
+using ktamx::KernelTable;
+using ktamx::kBlockElems;
+
+namespace {
+
+template <class T>
+T* P(uintptr_t a) { return reinterpret_cast<T*>(a); }
+
+inline int64_t rup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+std::once_flag g_amx_once;
+std::string g_amx_reason = "not checked";
+
+// "" when AMX may be used in this process (CPUID says so and the kernel granted tile permission)
+const std::string& amx_ready() {
+  std::call_once(g_amx_once, [] { g_amx_reason = ktcore::amx::request_permission(); });
+  return g_amx_reason;
+}
+
+const KernelTable* kernels_for(const std::string& which) {
+  if (which == "portable") return ktamx::portable_kernels();
+  if (which == "amx") {
+    const std::string& why = amx_ready();
+    if (!why.empty()) throw std::runtime_error("amx_bf16 kernels unavailable: " + why);
+    return ktamx::amx_kernels();
+  }
+  throw std::invalid_argument("kernels must be 'amx' or 'portable', not '" + which + "'");
+}
+
+int default_threads() {
+  unsigned n = std::thread::hardware_concurrency();
+  return n ? static_cast<int>(n) : 1;
+}
+
+// Shapes of one layer's packed experts.
+struct Dims {
+  int64_t E, H, I, Hp, Ip;
+  Dims(int64_t e, int64_t h, int64_t i) : E(e), H(h), I(i), Hp(rup(h, 32)), Ip(rup(i, 32)) {}
+  // gate/up: W [Ip, Hp] -> NB = Ip/16 streams of KB = Hp/32 blocks; down: W [Hp, Ip]
+  int64_t gu_nb() const { return Ip / 16; }
+  int64_t gu_kb() const { return Hp / 32; }
+  int64_t dn_nb() const { return Hp / 16; }
+  int64_t dn_kb() const { return Ip / 32; }
+  const uint16_t* gu_block(const uint16_t* w, int64_t e, int64_t nb, int64_t kb) const {
+    return w + ((e * gu_nb() + nb) * gu_kb() + kb) * kBlockElems;
+  }
+  const uint16_t* dn_block(const uint16_t* w, int64_t e, int64_t nb, int64_t kb) const {
+    return w + ((e * dn_nb() + nb) * dn_kb() + kb) * kBlockElems;
+  }
+};
+
+struct Task {
+  int32_t e, unit;
+};
+
+constexpr int64_t kRowChunk = 256;  // rows of one expert computed per inner step (C scratch 32 KB)
+
+class Engine {
+ public:
+  Engine(int num_threads, int num_pools, const std::string& kernels) : K_(kernels_for(kernels)) {
+    if (num_threads <= 0) num_threads = default_threads();
+    if (num_pools <= 0) num_pools = 1;
+    if (num_pools > num_threads) num_pools = num_threads;
+    for (int p = 0; p < num_pools; ++p) {
+      int n = num_threads / num_pools + (p < num_threads % num_pools ? 1 : 0);
+      pools_.emplace_back(new ThreadPool(n, p == 0));
+      scratch_.emplace_back(n);
+    }
+  }
+
+  int num_threads() const {
+    int n = 0;
+    for (auto& p : pools_) n += p->num_threads();
+    return n;
+  }
+  int num_pools() const { return static_cast<int>(pools_.size()); }
+  std::string kernels() const { return K_->name; }
+
+  // -- packing ---------------------------------------------------------------------------------------
+  // src bf16 [E, N, K] contiguous -> dst [E, rup(N,32)/16, rup(K,32)/32, 512]
+  void pack(uintptr_t src_, int64_t E, int64_t N, int64_t Kd, uintptr_t dst_) {
+    const uint16_t* src = P<const uint16_t>(src_);
+    uint16_t* dst = P<uint16_t>(dst_);
+    int64_t NB = rup(N, 32) / 16, KB = rup(Kd, 32) / 32;
+    pools_[0]->parallel_for(E * NB, [&](int64_t b, int64_t e_, int) {
+      for (int64_t t = b; t < e_; ++t) {
+        int64_t e = t / NB, nb = t % NB;
+        uint16_t* out = dst + t * KB * kBlockElems;
+        for (int64_t kb = 0; kb < KB; ++kb, out += kBlockElems)
+          for (int kp = 0; kp < 16; ++kp)
+            for (int n = 0; n < 16; ++n)
+              for (int j = 0; j < 2; ++j) {
+                int64_t row = nb * 16 + n, col = kb * 32 + 2 * kp + j;
+                out[kp * 32 + n * 2 + j] = (row < N && col < Kd) ? src[(e * N + row) * Kd + col] : 0;
+              }
+      }
+    });
+  }
+
+  // -- row movement ------------------------------------------------------------------------------------
+  // dst[r, 0:Hp] = bf16(src[tok[r], 0:H]) (zero padded)
+  void gather(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t H, int64_t Hp, uintptr_t tok_,
+              int64_t R, uintptr_t dst_) {
+    const int32_t* tok = P<const int32_t>(tok_);
+    uint16_t* dst = P<uint16_t>(dst_);
+    const int64_t es = src_bf16 ? 2 : 4;
+    pools_[0]->parallel_for(R, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r)
+        K_->row_to_bf16(reinterpret_cast<const char*>(src) + tok[r] * src_stride * es, src_bf16, H, Hp,
+                        dst + r * Hp);
+    }, 16);
+  }
+
+  // out[t] = sum_k wgt[t,k] * sum_p parts[p, row_of[t,k]]  (wgt null: weight 1); out fp32 or bf16
+  void combine(uintptr_t parts_, int64_t nparts, int64_t R, int64_t H, uintptr_t row_of_, uintptr_t wgt_,
+               int64_t T, int64_t Kk, uintptr_t out_, bool out_bf16) {
+    const float* parts = P<const float>(parts_);
+    const int32_t* row_of = P<const int32_t>(row_of_);
+    const float* wgt = wgt_ ? P<const float>(wgt_) : nullptr;
+    char* out = P<char>(out_);
+    const int64_t es = out_bf16 ? 2 : 4;
+    pools_[0]->parallel_for(T, [&](int64_t b, int64_t e, int tid) {
+      std::vector<float> acc(H);
+      for (int64_t t = b; t < e; ++t) {
+        bool first = true;
+        for (int64_t k = 0; k < Kk; ++k) {
+          int32_t r = row_of[t * Kk + k];
+          if (r < 0) continue;
+          float w = wgt ? wgt[t * Kk + k] : 1.0f;
+          for (int64_t p = 0; p < nparts; ++p) {
+            K_->axpy(w, parts + (p * R + r) * H, acc.data(), H, first);
+            first = false;
+          }
+        }
+        if (first) std::fill(acc.begin(), acc.end(), 0.0f);
+        K_->store_row(acc.data(), H, out + t * H * es, out_bf16);
+      }
+    }, 4);
+  }
+
+  // h[r] = bf16(silu(g[r]) * u[r]) (used when LoRA changed g/u after the GEMM)
+  void silu_mul(uintptr_t g_, uintptr_t u_, int64_t R, int64_t I, int64_t Ip, uintptr_t h_) {
+    const float* g = P<const float>(g_);
+    const float* u = P<const float>(u_);
+    uint16_t* h = P<uint16_t>(h_);
+    pools_[0]->parallel_for(R, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) {
+        K_->silu_mul(g + r * I, u + r * I, I, h + r * Ip);
+        std::fill(h + r * Ip + I, h + (r + 1) * Ip, 0);
+      }
+    }, 16);
+  }
+
+  // -- forward GEMMs -------------------------------------------------------------------------------------
+  // gate and up in one pass; fused: also h = silu(g) * u. g/u (fp32 [R, I]) saved when their address != 0.
+  void gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I,
+               uintptr_t h_, uintptr_t g_, uintptr_t u_, bool fused) {
+    Dims d(E, H, I);
+    const uint16_t* xs = P<const uint16_t>(xs_);
+    const int64_t* off = P<const int64_t>(off_);
+    const uint16_t *gate = P<const uint16_t>(gate_), *up = P<const uint16_t>(up_);
+    uint16_t* h = P<uint16_t>(h_);
+    float *g = P<float>(g_), *u = P<float>(u_);
+    // each pool owns a slice of I (in 32-column units, so that down's K split matches)
+    run_split(off, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
+      const int64_t nb = t.unit;  // unit = one 16-column block of gate and of up
+      const int64_t row0 = off[t.e], m = off[t.e + 1] - row0;
+      float* C = scratch_c(pool, tid);
+      const int64_t ncol = std::min<int64_t>(16, I - nb * 16);
+      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+        int64_t mm = std::min(kRowChunk, m - m0);
+        K_->gemm_block(xs + (row0 + m0) * d.Hp, d.Hp, mm, d.gu_block(gate, t.e, nb, 0), d.gu_block(up, t.e, nb, 0),
+                       d.gu_kb(), C, 32, 0);
+        for (int64_t r = 0; r < mm; ++r) {
+          const int64_t row = row0 + m0 + r;
+          const float* c = C + r * 32;
+          if (fused) K_->silu_mul(c, c + 16, 16, h + row * d.Ip + nb * 16);
+          if (g && ncol > 0) {
+            std::memcpy(g + row * I + nb * 16, c, ncol * 4);
+            std::memcpy(u + row * I + nb * 16, c + 16, ncol * 4);
+          }
+        }
+      }
+    }, /*units_per_split_unit=*/2);
+  }
+
+  // parts[p, r, 0:H] = h[r] @ down_e^T restricted to pool p's slice of I
+  void down(uintptr_t h_, uintptr_t off_, uintptr_t down_, int64_t E, int64_t H, int64_t I, uintptr_t parts_) {
+    Dims d(E, H, I);
+    const uint16_t* h = P<const uint16_t>(h_);
+    const int64_t* off = P<const int64_t>(off_);
+    const uint16_t* dn = P<const uint16_t>(down_);
+    float* parts = P<float>(parts_);
+    const int64_t R = off[E];
+    run_split(off, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
+      const int64_t np = t.unit;  // 32 output columns
+      const int64_t row0 = off[t.e], m = off[t.e + 1] - row0;
+      float* C = scratch_c(pool, tid);
+      float* out = parts + static_cast<int64_t>(pool) * R * H;
+      const int64_t ncol = std::min<int64_t>(32, H - np * 32);
+      if (kb1 <= kb0) {
+        for (int64_t r = 0; r < m; ++r) std::memset(out + (row0 + r) * H + np * 32, 0, ncol * 4);
+        return;
+      }
+      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+        int64_t mm = std::min(kRowChunk, m - m0);
+        K_->gemm_block(h + (row0 + m0) * d.Ip + kb0 * 32, d.Ip, mm, d.dn_block(dn, t.e, 2 * np, kb0),
+                       d.dn_block(dn, t.e, 2 * np + 1, kb0), kb1 - kb0, C, 32, 0);
+        for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, ncol * 4);
+      }
+    }, 1, d.Ip / 32);
+  }
+
+  // -- backward ------------------------------------------------------------------------------------------
+  // gh[r, 0:I] = gys[r] @ down_e   (down^T tiles derived per task from the packed down: no resident copy)
+  void bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t down_, int64_t E, int64_t H, int64_t I, uintptr_t gh_) {
+    Dims d(E, H, I);
+    const uint16_t* gys = P<const uint16_t>(gys_);
+    const int64_t* off = P<const int64_t>(off_);
+    const uint16_t* dn = P<const uint16_t>(down_);
+    float* gh = P<float>(gh_);
+    const int64_t nq = d.Hp / 32;
+    run_split(off, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
+      const int64_t p = t.unit;  // 32 columns of I = forward k-block p of down
+      const int64_t row0 = off[t.e], m = off[t.e + 1] - row0;
+      uint16_t *s0, *s1;
+      scratch_streams(pool, tid, nq, &s0, &s1);
+      for (int64_t q = 0; q < nq; ++q)
+        K_->transpose_pair(d.dn_block(dn, t.e, 2 * q, p), d.dn_block(dn, t.e, 2 * q + 1, p), s0 + q * kBlockElems,
+                           s1 + q * kBlockElems);
+      float* C = scratch_c(pool, tid);
+      const int64_t ncol = std::min<int64_t>(32, I - p * 32);
+      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+        int64_t mm = std::min(kRowChunk, m - m0);
+        K_->gemm_block(gys + (row0 + m0) * d.Hp, d.Hp, mm, s0, s1, nq, C, 32, 0);
+        for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + r * 32, ncol * 4);
+      }
+    }, 1);
+  }
+
+  // per row: grad_w[r] = dot(gh[r], h[r]); ggu[r] = [dL/dg | dL/du] (bf16, Ip each); ggu32 fp32 [R, 2I] if set
+  void bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, int64_t R, int64_t I,
+               uintptr_t ggu_, uintptr_t ggu32_, uintptr_t gradw_) {
+    const int64_t Ip = rup(I, 32);
+    const float *gh = P<const float>(gh_), *g = P<const float>(g_), *u = P<const float>(u_);
+    const float* wrow = P<const float>(wrow_);
+    const uint16_t* h = P<const uint16_t>(h_);
+    uint16_t* ggu = P<uint16_t>(ggu_);
+    float* ggu32 = P<float>(ggu32_);
+    float* gradw = P<float>(gradw_);
+    pools_[0]->parallel_for(R, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) {
+        uint16_t* o = ggu + r * 2 * Ip;
+        gradw[r] = K_->silu_mul_bwd(gh + r * I, h + r * Ip, g + r * I, u + r * I, I, wrow[r], o, o + Ip,
+                                    ggu32 ? ggu32 + r * 2 * I : nullptr, ggu32 ? ggu32 + r * 2 * I + I : nullptr);
+        std::fill(o + I, o + Ip, 0);
+        std::fill(o + Ip + I, o + 2 * Ip, 0);
+      }
+    }, 8);
+  }
+
+  // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I
+  void bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I,
+                   uintptr_t parts_) {
+    Dims d(E, H, I);
+    const uint16_t* ggu = P<const uint16_t>(ggu_);
+    const int64_t* off = P<const int64_t>(off_);
+    const uint16_t *gate = P<const uint16_t>(gate_), *up = P<const uint16_t>(up_);
+    float* parts = P<float>(parts_);
+    const int64_t R = off[E];
+    run_split(off, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
+      const int64_t np = t.unit;  // 32 output columns of H = forward k-block np of gate/up
+      const int64_t row0 = off[t.e], m = off[t.e + 1] - row0;
+      float* out = parts + static_cast<int64_t>(pool) * R * H;
+      const int64_t ncol = std::min<int64_t>(32, H - np * 32);
+      if (q1 <= q0) {
+        for (int64_t r = 0; r < m; ++r) std::memset(out + (row0 + r) * H + np * 32, 0, ncol * 4);
+        return;
+      }
+      const int64_t nq = q1 - q0;
+      uint16_t *s0, *s1;
+      scratch_streams(pool, tid, 2 * nq, &s0, &s1);
+      for (int w = 0; w < 2; ++w) {
+        const uint16_t* W = w ? up : gate;
+        for (int64_t q = q0; q < q1; ++q) {
+          int64_t o = (w * nq + q - q0) * kBlockElems;
+          K_->transpose_pair(d.gu_block(W, t.e, 2 * q, np), d.gu_block(W, t.e, 2 * q + 1, np), s0 + o, s1 + o);
+        }
+      }
+      float* C = scratch_c(pool, tid);
+      const int64_t lda = 2 * d.Ip;
+      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+        int64_t mm = std::min(kRowChunk, m - m0);
+        const uint16_t* a = ggu + (row0 + m0) * lda;
+        K_->gemm_block(a + q0 * 32, lda, mm, s0, s1, nq, C, 32, 0);
+        K_->gemm_block(a + d.Ip + q0 * 32, lda, mm, s0 + nq * kBlockElems, s1 + nq * kBlockElems, nq, C, 32, 1);
+        for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, ncol * 4);
+      }
+    }, 1, d.Ip / 32);
+  }
+
+  // -- measurement ---------------------------------------------------------------------------------------
+  double read_bandwidth(int64_t nbytes, int repeats) {
+    nbytes = std::max<int64_t>(nbytes / 4096 * 4096, 1 << 20);
+    void* buf = std::aligned_alloc(4096, nbytes);
+    if (!buf) throw std::bad_alloc();
+    std::unique_ptr<void, decltype(&std::free)> keep(buf, &std::free);
+    ThreadPool& pool = *pools_[0];
+    const int n = pool.num_threads();
+    const int64_t chunk = nbytes / n / 256 * 256;
+    pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) std::memset(static_cast<char*>(buf) + i * chunk, 1, chunk);
+    });
+    double best = 0.0;
+    volatile double sink = 0.0;
+    for (int rep = 0; rep < repeats; ++rep) {
+      auto t0 = std::chrono::steady_clock::now();
+      pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
+        for (int64_t i = b; i < e; ++i) sink = sink + K_->read_sum(static_cast<char*>(buf) + i * chunk, chunk);
+      });
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, static_cast<double>(chunk) * n / s / 1e9);
+    }
+    return best;
+  }
+
+  double amx_peak(double seconds) {
+    if (std::string(K_->name) != "amx") throw std::runtime_error("measure_amx_peak_gflops needs the amx kernels");
+    ThreadPool& pool = *pools_[0];
+    const int n = pool.num_threads();
+    std::vector<double> flops(n, 0.0);
+    auto t0 = std::chrono::steady_clock::now();
+    pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) {
+        double f = 0.0;
+        while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds)
+          f += K_->tile_loop(20000);
+        flops[i] = f;
+      }
+    });
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double total = 0.0;
+    for (double f : flops) total += f;
+    return total / s / 1e9;
+  }
+
+ private:
+  using TaskFn = std::function<void(const Task&, int pool, int tid, int64_t k0, int64_t k1)>;
+
+  // Runs tasks (expert, unit) over all pools at once. With split_units the units are divided among the pools
+  // (each pool its own slice of I, in groups of units_per_split_unit); otherwise every pool runs every unit
+  // over its own slice [k0, k1) of ksplit blocks (partial sums, one output part per pool).
+  void run_split(const int64_t* off, int64_t E, int64_t nsplit, bool split_units, const TaskFn& fn,
+                 int64_t units_per_split_unit = 1, int64_t ksplit = 0) {
+    const int npools = num_pools();
+    std::vector<std::vector<Task>> tasks(npools);
+    std::vector<std::pair<int64_t, int64_t>> kr(npools);
+    for (int p = 0; p < npools; ++p) {
+      int64_t u0 = 0, u1 = nsplit * (split_units ? units_per_split_unit : 1);
+      if (split_units) {
+        u0 = nsplit * p / npools * units_per_split_unit;
+        u1 = nsplit * (p + 1) / npools * units_per_split_unit;
+      } else {
+        kr[p] = {ksplit * p / npools, ksplit * (p + 1) / npools};
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        if (off[e + 1] == off[e]) continue;
+        for (int64_t u = u0; u < u1; ++u) tasks[p].push_back({static_cast<int32_t>(e), static_cast<int32_t>(u)});
+      }
+    }
+    std::vector<ThreadPool::Fn> fns(npools);
+    for (int p = 0; p < npools; ++p) {
+      fns[p] = [&, p](int64_t b, int64_t e, int tid) {
+        for (int64_t i = b; i < e; ++i) fn(tasks[p][i], p, tid, kr[p].first, kr[p].second);
+      };
+    }
+    for (int p = npools - 1; p >= 0; --p) pools_[p]->start(static_cast<int64_t>(tasks[p].size()), fns[p]);
+    std::exception_ptr err;
+    for (int p = 0; p < npools; ++p) {
+      try {
+        pools_[p]->join();
+      } catch (...) {
+        if (!err) err = std::current_exception();
+      }
+    }
+    if (err) std::rethrow_exception(err);
+  }
+
+  struct Scratch {
+    std::vector<float> c;
+    std::vector<uint16_t> s;
+  };
+
+  float* scratch_c(int pool, int tid) {
+    auto& c = scratch_[pool][tid].c;
+    if (c.size() < static_cast<size_t>(kRowChunk * 32 + 64)) c.resize(kRowChunk * 32 + 64);
+    return c.data();
+  }
+  void scratch_streams(int pool, int tid, int64_t blocks, uint16_t** s0, uint16_t** s1) {
+    auto& s = scratch_[pool][tid].s;
+    size_t need = static_cast<size_t>(2 * blocks * kBlockElems + 64);
+    if (s.size() < need) s.resize(need);
+    uint16_t* base = s.data();
+    base += (64 - (reinterpret_cast<uintptr_t>(base) / 2) % 32) % 32;  // 64-byte align
+    *s0 = base;
+    *s1 = base + blocks * kBlockElems;
+  }
+
+  const KernelTable* K_;
+  std::vector<std::unique_ptr<ThreadPool>> pools_;
+  std::vector<std::vector<Scratch>> scratch_;
+};
+
+std::unique_ptr<Engine> g_measure_engine;
+std::mutex g_measure_mu;
+
+Engine& measure_engine(const std::string& kernels) {
+  std::lock_guard<std::mutex> lk(g_measure_mu);
+  if (!g_measure_engine || g_measure_engine->kernels() != kernels)
+    g_measure_engine.reset(new Engine(default_threads(), 1, kernels));
+  return *g_measure_engine;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "amx_bf16 expert kernels (AMX BF16 tiles + AVX-512); no libtorch";
+  m.def("amx_unavailable_reason", [] { return amx_ready(); },
+        "'' when this process may use AMX (CPUID + arch_prctl permission), else the reason");
+  m.def("cpu_supports_amx", [] {
+    auto f = ktcore::amx::cpu_features();
+    return f.amx_tile && f.amx_bf16 && f.avx512f && f.avx512_bf16 && f.os_avx512;
+  });
+  m.def("measure_amx_peak_gflops", [](double seconds) {
+    py::gil_scoped_release nogil;
+    return measure_engine("amx").amx_peak(seconds);
+  }, py::arg("seconds") = 1.0, "AMX BF16 tile-only peak over all cores, GFLOP/s (raises without AMX)");
+  m.def("measure_read_bandwidth", [](int64_t nbytes) {
+    py::gil_scoped_release nogil;
+    std::string k = amx_ready().empty() ? "amx" : "portable";
+    return measure_engine(k).read_bandwidth(nbytes, 5);
+  }, py::arg("nbytes") = int64_t(1) << 31, "DRAM streaming read bandwidth over all cores, GB/s (best of 5)");
+  m.def("default_threads", &default_threads);
+
+  using G = py::call_guard<py::gil_scoped_release>;
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<int, int, const std::string&>(), py::arg("num_threads") = 0, py::arg("num_pools") = 1,
+           py::arg("kernels") = "amx")
+      .def_property_readonly("num_threads", &Engine::num_threads)
+      .def_property_readonly("num_pools", &Engine::num_pools)
+      .def_property_readonly("kernels", &Engine::kernels)
+      .def("pack", &Engine::pack, G())
+      .def("gather", &Engine::gather, G())
+      .def("combine", &Engine::combine, G())
+      .def("silu_mul", &Engine::silu_mul, G())
+      .def("gate_up", &Engine::gate_up, G())
+      .def("down", &Engine::down, G())
+      .def("bwd_down", &Engine::bwd_down, G())
+      .def("bwd_act", &Engine::bwd_act, G())
+      .def("bwd_gate_up", &Engine::bwd_gate_up, G())
+      .def("read_bandwidth", &Engine::read_bandwidth, G())
+      .def("amx_peak", &Engine::amx_peak, G());
+}

@@ -1,0 +1,212 @@
+"""amx_bf16 against ktcore's contract suite, plus thread/pool invariance, odd shapes and capability checks.
+
+The AMX classes skip (with the reason) only where this process cannot use AMX. The ``portable`` classes run
+the very same orchestration, packing and transposition code with plain C++ kernels, so they run anywhere.
+"""
+
+import pytest
+import torch
+
+import ktcore
+import ktcore.hw
+import ktcore.plugins
+from ktcore.experts import ExpertLoRA, ExpertWeights
+from ktcore.testing import ExpertBackendContract
+from ktcore.testing.contract import Case, dense_reference, relative_error
+
+from ktcore_amx_bf16 import _ext
+from ktcore_amx_bf16.backend import AMXBF16Backend
+
+AMX_REASON = _ext.amx_unavailable_reason()
+needs_amx = pytest.mark.skipif(bool(AMX_REASON), reason=f"this CPU/process cannot use AMX: {AMX_REASON}")
+
+
+class _PortableMixin:
+    def make_backend(self, **kt):
+        from ktcore.config import as_kt_config
+
+        return AMXBF16Backend(as_kt_config({"kt_backend": "amx_bf16", **self.kt_config, **kt}), kernels="portable")
+
+
+@needs_amx
+class TestAMXBF16Contract(ExpertBackendContract):
+    backend_name = "amx_bf16"
+    weight_dtype = torch.bfloat16
+    input_dtype = torch.float32
+    rtol_out = 1e-2
+    rtol_grad = 2e-2
+
+
+@needs_amx
+class TestAMXBF16ContractBF16Input(TestAMXBF16Contract):
+    input_dtype = torch.bfloat16
+
+
+@needs_amx
+class TestAMXBF16ContractTwoPools(TestAMXBF16Contract):
+    kt_config = {"kt_tp_enabled": True, "kt_threadpool_count": 2, "kt_num_threads": 2}
+
+
+class TestPortableContract(_PortableMixin, ExpertBackendContract):
+    backend_name = "amx_bf16"
+    weight_dtype = torch.bfloat16
+    rtol_out = 1e-2
+    rtol_grad = 2e-2
+
+
+class TestPortableContractTwoPools(TestPortableContract):
+    input_dtype = torch.bfloat16
+    kt_config = {"kt_tp_enabled": True, "kt_threadpool_count": 2, "kt_num_threads": 2}
+
+
+# -- extra shapes: many tokens per expert (tile path with row remainders), odd H/I, K=1, T=1 -----------------
+EXTRA = [
+    Case(4, 72, 40, 150, 2, rank=3, label="tiles-odd-H72-I40"),
+    Case(3, 100, 50, 70, 1, rank=2, label="odd-H100-I50-K1"),
+    Case(6, 64, 96, 1, 3, label="T1"),
+    Case(12, 37, 23, 5, 1, unrouted=1, label="zero-or-one-token"),
+    Case(2, 256, 160, 300, 2, rank=8, label="bigger"),
+]
+
+
+def _problem(case, seed=0, dtype=torch.float32):
+    return ExpertBackendContract.problem(type("P", (), {"weight_dtype": torch.bfloat16, "input_dtype": dtype})(),
+                                         case, seed=seed, lora=True)
+
+
+def _check(backend, case, dtype=torch.float32):
+    weights, x, ids, w, lora = _problem(case, dtype=dtype)
+    grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    packed = backend.pack(weights)
+    y, ctx = backend.forward(packed, x, ids, w, lora, save=True)
+    gx, gw, lg = backend.backward(packed, ctx, grad_y, lora)
+    ref = ExpertBackendContract()
+    ref.activation = "silu"
+    ry, rgx, rgw, rlg = ref.reference(weights, x, ids, w, lora, grad_y)
+    assert y.dtype == x.dtype and gx.dtype == grad_y.dtype
+    assert relative_error(y, ry) <= 1e-2
+    assert relative_error(gx, rgx) <= 2e-2
+    assert relative_error(gw, rgw) <= 2e-2
+    for got, want in zip([t for t in lg.tensors() if t is not None], rlg):
+        assert got.shape == want.shape
+        assert relative_error(got, want) <= 2e-2
+    return y, gx, gw, lg
+
+
+def _run(backend, case):
+    weights, x, ids, w, lora = _problem(case)
+    packed = backend.pack(weights)
+    y, ctx = backend.forward(packed, x, ids, w, lora, save=True)
+    g = backend.backward(packed, ctx, torch.ones_like(x), lora)
+    return y, g[0], g[1], [t for t in g[2].tensors()]
+
+
+def _backend(kernels, **kt):
+    from ktcore.config import as_kt_config
+
+    return AMXBF16Backend(as_kt_config({"kt_backend": "amx_bf16", **kt}), kernels=kernels)
+
+
+KERNELS = [pytest.param("amx", marks=needs_amx), "portable"]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("case", EXTRA, ids=lambda c: c.label)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["x-fp32", "x-bf16"])
+def test_extra_shapes(kernels, case, dtype):
+    _check(_backend(kernels), case, dtype)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_thread_count_invariance(kernels):
+    case = EXTRA[0]
+    one = _run(_backend(kernels, kt_num_threads=1), case)
+    two = _run(_backend(kernels, kt_num_threads=2), case)
+    for a, b in zip(one[:3], two[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(one[3], two[3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_thread_pools_match_single_pool(kernels):
+    case = EXTRA[4]
+    single = _run(_backend(kernels, kt_num_threads=2), case)
+    tp = _backend(kernels, kt_num_threads=2, kt_tp_enabled=True, kt_threadpool_count=2)
+    assert tp.num_pools == 2
+    split = _run(tp, case)
+    for a, b in zip(single[:3], split[:3]):
+        assert relative_error(b, a) < 1e-5
+
+
+def test_num_threads_from_config():
+    b = _backend("portable", kt_num_threads=3)
+    assert b.num_threads == 3
+    assert _backend("portable").num_threads >= 1
+
+
+def test_other_activation_is_a_clear_error():
+    weights, *_ = _problem(EXTRA[3])
+    with pytest.raises(ValueError, match="silu"):
+        _backend("portable").pack(weights, activation="gelu")
+
+
+def test_forward_only_returns_no_context():
+    b = _backend("portable")
+    weights, x, ids, w, lora = _problem(EXTRA[0])
+    y, ctx = b.forward(b.pack(weights), x, ids, w, None, save=False)
+    assert ctx is None and y.shape == x.shape
+
+
+@pytest.fixture
+def fresh_registry():
+    ktcore.plugins.reset_registry()
+    ktcore.hw._detect.cache_clear()
+    yield
+    ktcore.plugins.reset_registry()
+    ktcore.hw._detect.cache_clear()
+
+
+def test_listed_without_loading_extension(fresh_registry):
+    from ktcore.plugins import get_registry
+
+    specs = get_registry().specs("expert_backend")
+    assert "amx_bf16" in specs
+    spec = specs["amx_bf16"]
+    assert spec.priority == 20 and set(spec.weight_formats) == {"auto", "bf16"}
+    assert set(spec.required_cpu_features) == {"amx_tile", "amx_bf16", "avx512f", "avx512_bf16"}
+
+
+def test_unavailable_without_amx_flags(monkeypatch, fresh_registry):
+    from ktcore.select import get_backend, resolve_backend
+
+    monkeypatch.setenv("KTCORE_CPU_FLAGS", "avx2,fma")
+    ktcore.hw._detect.cache_clear()
+    choice = resolve_backend("auto")
+    assert choice.spec is not None and choice.spec.name != "amx_bf16"
+    reason = choice.reasons["amx_bf16"]
+    assert reason and "amx_tile" in reason
+    with pytest.raises(Exception, match="amx_bf16"):
+        get_backend("amx_bf16", {"kt_backend": "amx_bf16"})
+
+
+def test_probe_reports_reason_on_this_cpu(fresh_registry):
+    from ktcore_amx_bf16.plugin import probe
+
+    why = probe()
+    if AMX_REASON:
+        assert why
+    else:
+        assert why is None
+
+
+@needs_amx
+def test_measurements():
+    assert _ext.measure_read_bandwidth(64 << 20) > 0.1
+    assert _ext.measure_amx_peak_gflops(0.05) > 1.0
+
+
+@pytest.mark.skipif(not AMX_REASON, reason="checks the error on CPUs without AMX")
+def test_amx_kernels_refused_without_amx():
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        _backend("amx")
