@@ -42,7 +42,7 @@ MODEL_CONFIG = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                     num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                     max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.125)
-DEFAULT_STEPS = 300
+DEFAULT_STEPS = 800
 TEMPLATE_YAML = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 
 
@@ -75,7 +75,7 @@ def build_byte_tokenizer(chat_template: str = CHAT_TEMPLATE):
     core.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None, chat_template=chat_template,
-                                   model_max_length=MODEL_CONFIG["max_position_embeddings"])
+                                   model_max_length=4096)
 
 
 def build_tiny_moe(tokenizer, seed: int = 0, **overrides):
