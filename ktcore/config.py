@@ -252,6 +252,13 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         raise ConfigError(f"{where}: kt_config.kt_num_threads must be > 0, got {kt.kt_num_threads}")
     if kt.kt_threadpool_count <= 0 or kt.kt_max_cache_depth < 0:
         raise ConfigError(f"{where}: kt_config.kt_threadpool_count must be > 0 and kt_max_cache_depth >= 0")
+    for name, value in (("kt_weight_path", cfg.kt_weight_path),
+                        ("kt_non_expert_weight_path", cfg.kt_non_expert_weight_path)):
+        if value is not None:
+            raise ConfigError(f"{where}: {name}: packed weight stores (`ktcore convert`) are not implemented yet; "
+                              "remove the key, the experts are read from model_name_or_path")
+    if kt.kt_weight_lifecycle != "persistent":
+        raise ConfigError(f"{where}: kt_config.kt_weight_lifecycle: only 'persistent' is implemented so far")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise ConfigError(f"{where}: lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
 

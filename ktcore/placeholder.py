@@ -73,7 +73,7 @@ class ExpertWeightPlaceholder(torch.Tensor):
         if packet is aten.add and isinstance(args[1], torch.Tensor) and tuple(args[1].shape) == tuple(this.shape):
             raise ExpertWeightsUnavailable(
                 "this PEFT version applies expert LoRA by materialising the full [experts, out, in] delta, which "
-                "ktcore does not do; upgrade peft to a version with LoRA factor folding (peft >= 0.19), "
+                "ktcore does not do; upgrade peft to a version with LoRA factor folding (peft >= 0.21), "
                 "or activate a single adapter")
         raise ExpertWeightsUnavailable(
             f"{func} cannot read routed-expert weights: after ktcore.wrap_model/load_model they live in the CPU "

@@ -29,6 +29,8 @@ def tiny_qwen3_moe(seed=0, **overrides):
         for name, p in model.named_parameters():
             if "experts" in name:
                 p.normal_(0, 0.2)
+            elif name.endswith("mlp.gate.weight"):  # decisive routing: bf16 rounding rarely flips an expert
+                p.normal_(0, 1.0)
     return model
 
 

@@ -108,7 +108,7 @@ def test_disable_adapter_disables_expert_lora(qwen3_pair):
 def test_load_model_from_checkpoint_matches(tmp_path):
     plain = tiny_qwen3_moe(seed=3)
     plain.save_pretrained(tmp_path / "model")
-    ours = ktcore.load_model(tmp_path / "model", TORCH, progress=False)
+    ours = ktcore.load_model(tmp_path / "model", TORCH, device="cpu", progress=False)
     assert set(ours.ktcore.layers) == {"model.layers.0.mlp.experts", "model.layers.2.mlp.experts"}
     assert_same_training_signal(*peft_pair(plain, ours), *batch(3))
 
@@ -116,7 +116,7 @@ def test_load_model_from_checkpoint_matches(tmp_path):
 def test_load_model_with_tied_embeddings(tmp_path):
     plain = tiny_qwen3_moe(seed=4, tie_word_embeddings=True)
     plain.save_pretrained(tmp_path / "model")
-    ours = ktcore.load_model(tmp_path / "model", TORCH, progress=False)
+    ours = ktcore.load_model(tmp_path / "model", TORCH, device="cpu", progress=False)
     assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
     ids, mask = batch()
     assert relative_error(ours(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits) <= 1e-5
@@ -167,19 +167,31 @@ def test_placeholders_refuse_to_be_read(qwen3_pair):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 def test_gpu_attention_cpu_experts_bf16(tmp_path):
-    """Attention, router and LM head on CUDA, routed experts on the CPU torch backend, in bf16."""
+    """Attention, router and LM head on CUDA, routed experts on the CPU torch backend, in bf16.
+
+    bf16 tolerance: ktcore in bf16 must be about as close to the fp32 truth as plain transformers in bf16.
+    """
     plain = tiny_qwen3_moe(seed=6)
     plain.save_pretrained(tmp_path / "model")
-    ref_model = copy.deepcopy(plain).to("cuda", torch.bfloat16)
+    truth = copy.deepcopy(plain).to("cuda")
+    plain_bf16 = copy.deepcopy(plain).to("cuda", torch.bfloat16)
     ours = ktcore.load_model(tmp_path / "model", {"kt_backend": "torch"}, device="cuda", dtype=torch.bfloat16,
                              progress=False)
     assert ours.lm_head.weight.device.type == "cuda"
     assert ours.model.layers[0].mlp.experts.gate_up_proj.device.type == "cuda"  # placeholder only
-    a, b = peft_pair(ref_model, ours)
+    truth, plain_bf16 = peft_pair(truth, plain_bf16)
+    torch.manual_seed(7)
+    ours = get_peft_model(ours, lora_config())
     ids, mask = (t.cuda() for t in batch(8))
-    ref, ref_grads = lora_grads(a, ids, mask)
-    got, got_grads = lora_grads(b, ids, mask)
-    assert relative_error(got.logits.float(), ref.logits.float()) <= 2e-2
-    assert abs(got.loss.item() - ref.loss.item()) <= 2e-2 * ref.loss.item()
-    for name in ref_grads:
-        assert relative_error(got_grads[name].float(), ref_grads[name].float()) <= 5e-2, name
+    results = {name: lora_grads(m, ids, mask) for name, m in
+               (("truth", truth), ("plain_bf16", plain_bf16), ("ours", ours))}
+    ref_out, ref_grads = results["truth"]
+
+    def err(name):
+        out, grads = results[name]
+        return (relative_error(out.logits.float(), ref_out.logits),
+                max(relative_error(grads[n].float(), ref_grads[n]) for n in ref_grads))
+
+    (plain_logits, plain_grads), (our_logits, our_grads) = err("plain_bf16"), err("ours")
+    assert our_logits <= max(2 * plain_logits, 1e-2), (our_logits, plain_logits)
+    assert our_grads <= max(2 * plain_grads, 5e-2), (our_grads, plain_grads)
