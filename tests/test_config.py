@@ -91,7 +91,7 @@ def test_every_key_rejects_a_wrong_scalar_type(f):
 
 @pytest.mark.parametrize("f", [f for f in TRAIN_FIELDS + KT_FIELDS if f.metadata.get("choices")], ids=label)
 def test_choices_suggest_the_nearest(f):
-    choice = f.metadata["choices"][-1]
+    choice = f.metadata["choices"][0]
     msg = error(nest(f, choice + "x"))
     assert f"{label(f)}: {choice + 'x'!r} is not one of {', '.join(f.metadata['choices'])}" in msg
     assert msg.endswith(f"did you mean {choice!r}?")
@@ -160,14 +160,14 @@ def test_top_level_must_be_a_mapping():
 
 
 def test_kt_config_section():
-    cfg = config_from_dict({"use_kt": True, "kt_cpu_activation": "recompute", "kt_weight_path": "/w",
+    cfg = config_from_dict({"use_kt": True, "kt_cpu_activation": "recompute",
                             "kt_config": {"kt_backend": "torch", "kt_expert_weight_format": "bf16",
                                           "kt_num_threads": 4, "kt_tp_enabled": True, "kt_threadpool_count": 2,
-                                          "kt_max_cache_depth": 3, "kt_weight_lifecycle": "ephemeral"}})
+                                          "kt_max_cache_depth": 3, "kt_weight_lifecycle": "persistent"}})
     kt = cfg.kt
     assert (kt.kt_backend, kt.kt_expert_weight_format, kt.kt_num_threads, kt.kt_tp_enabled) == ("torch", "bf16", 4, True)
-    assert (kt.kt_threadpool_count, kt.kt_max_cache_depth, kt.kt_weight_lifecycle) == (2, 3, "ephemeral")
-    assert (kt.kt_cpu_activation, kt.kt_weight_path) == ("recompute", "/w")  # top-level keys folded in
+    assert (kt.kt_threadpool_count, kt.kt_max_cache_depth, kt.kt_weight_lifecycle) == (2, 3, "persistent")
+    assert kt.kt_cpu_activation == "recompute"  # top-level kt keys are folded in
     assert cfg.to_dict()["kt_config"]["kt_backend"] == "torch"
 
 
