@@ -124,6 +124,7 @@ class Registry:
         try:
             module = ep.load()
             self.manager.register(module, name=f"{dist}:{ep.name}")
+            self._check_hook_names(module)
         except Exception as exc:  # noqa: BLE001 - any failure of third-party code is recorded
             self._broken(ep.name, "module", row, exc)
             return
@@ -131,6 +132,16 @@ class Registry:
             for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
                 if impl.plugin is module:
                     self._collect(impl.function, hook_name, kind, row)
+
+    def _check_hook_names(self, module) -> None:
+        """A hookimpl no spec knows (a misspelled hook) would silently register nothing: reject the module."""
+        unknown = sorted(name for name, caller in vars(self.manager.hook).items()
+                         if not name.startswith("_") and not caller.has_spec()
+                         and any(impl.plugin is module for impl in caller.get_hookimpls()))
+        if unknown:
+            self.manager.unregister(module)
+            raise pluggy.PluginValidationError(
+                module, f"unknown hook {', '.join(unknown)}; ktcore's hooks are {', '.join(hookspecs.HOOK_KINDS)}")
 
     def _collect(self, hook, hook_name: str, kind: str, row: dict) -> None:
         try:

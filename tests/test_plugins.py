@@ -72,6 +72,15 @@ def ktcore_register_expert_backends(config):  # the spec takes no arguments
     return []
 """
 
+MISSPELLED_HOOK = """
+from ktcore import hookimpl
+
+
+@hookimpl
+def ktcore_register_backends():  # not a ktcore hook: would silently register nothing
+    return []
+"""
+
 WRONG_DESCRIPTOR = """
 from ktcore import hookimpl
 from ktcore.specs import ArchSpec
@@ -218,6 +227,17 @@ def test_hookimpl_with_argument_not_in_spec_is_broken(fake_dists):
     assert "torch" in registry.specs("expert_backend")
 
 
+def test_misspelled_hook_is_broken(fake_dists):
+    fake_dists.add("ktcore-fake-typo", {"typo": "typo"}, {"typo": MISSPELLED_HOOK})
+    fake_dists.backend("ktcore-fake-ok", "okb")
+    with pytest.warns(PluginWarning, match="typo"):
+        registry = Registry()
+    rec = by_name(registry.records())["typo"]
+    assert rec.status == "broken" and "unknown hook ktcore_register_backends" in rec.reason
+    assert "ktcore_register_expert_backends" in rec.reason
+    assert "okb" in registry.specs("expert_backend")
+
+
 def test_hook_returning_wrong_descriptor_type_is_broken(fake_dists):
     fake_dists.add("ktcore-fake-wrongdesc", {"wrongdesc": "wrongdesc"}, {"wrongdesc": WRONG_DESCRIPTOR})
     fake_dists.add("ktcore-fake-dict", {"dictmod": "dictmod"}, {"dictmod": RETURNS_DICT})
@@ -243,7 +263,8 @@ def test_hook_raising_is_broken(fake_dists):
 # ---- strict mode -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source", [RAISES_ON_IMPORT, BAD_HOOK_ARGS, WRONG_DESCRIPTOR], ids=["import", "args", "type"])
+@pytest.mark.parametrize("source", [RAISES_ON_IMPORT, BAD_HOOK_ARGS, MISSPELLED_HOOK, WRONG_DESCRIPTOR],
+                         ids=["import", "args", "hook-name", "type"])
 def test_strict_mode_reraises(fake_dists, monkeypatch, source):
     fake_dists.add("ktcore-fake-strict", {"strictmod": "strictmod"}, {"strictmod": source})
     monkeypatch.setenv("KTCORE_STRICT_PLUGINS", "1")
