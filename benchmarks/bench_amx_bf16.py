@@ -1,0 +1,188 @@
+"""amx_bf16 kernel benchmarks (plain script; prints a markdown table, no timed asserts).
+
+    python benchmarks/bench_amx_bf16.py [--quick] [--out results.md]
+
+Measures in one run: DRAM read bandwidth (AVX-512 streaming read in the extension, and torch.sum over a
+2 GiB tensor), the AMX BF16 tile-only peak, torch's bf16 matmul, then
+  * memory-bound layer  E=128 K=8 H=2048 I=768  T=512   (1.2 GB of bf16 weights) vs one read of the weights
+  * compute-bound layer E=8   K=2 H=2048 I=1408 T=4096  GFLOP/s vs AMX peak and vs torch bf16 matmul
+  * DeepSeek-V2-Lite    E=64  K=6 H=2048 I=1408 T=1,16,512,4096 forward and forward+backward vs the torch backend
+No expert LoRA in these runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import torch
+
+from ktcore.experts import ExpertWeights
+from ktcore.select import get_backend
+from ktcore_amx_bf16 import _ext
+from ktcore_amx_bf16.backend import AMXBF16Backend
+
+
+def timeit(fn, min_time=1.0, min_reps=3, max_reps=50, warmup=1):
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < min_time and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_layer(E, H, I, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    def rnd(*shape, scale):
+        return (torch.randn(*shape, generator=g, dtype=torch.bfloat16) * scale)
+    return ExpertWeights(rnd(E, I, H, scale=H ** -0.5), rnd(E, I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5))
+
+
+def make_inputs(E, K, H, T, seed=1, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    w = torch.softmax(torch.rand(T, K, generator=g), dim=1)
+    gy = torch.randn(T, H, generator=g).to(dtype)
+    return x, ids, w, gy
+
+
+def run_fwd(backend, packed, x, ids, w):
+    return lambda: backend.forward(packed, x, ids, w, None, save=False)
+
+
+def run_fwd_bwd(backend, packed, x, ids, w, gy):
+    def f():
+        _, ctx = backend.forward(packed, x, ids, w, None, save=True)
+        backend.backward(packed, ctx, gy, None)
+    return f
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="shorter timing loops")
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--skip-torch-backend", action="store_true")
+    args = ap.parse_args()
+    min_time = 0.3 if args.quick else 1.0
+
+    why = _ext.amx_unavailable_reason()
+    if why:
+        raise SystemExit(f"amx_bf16 cannot run on this machine: {why}")
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    amx = AMXBF16Backend({"kt_backend": "amx_bf16"})
+    tb = get_backend("torch", {"kt_backend": "torch", "kt_expert_weight_format": "bf16"})
+    lines = []
+
+    def out(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    cpu = "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    out(f"machine: {cpu}, {threads} threads (amx_bf16 pool {amx.num_threads}), torch {torch.__version__}")
+    bw = _ext.measure_read_bandwidth(2 << 30)
+    big = torch.ones((2 << 30) // 4, dtype=torch.float32)
+    t_sum = timeit(lambda: big.sum(), min_time=min_time)
+    bw_torch = big.nbytes / t_sum / 1e9
+    del big
+    peak = _ext.measure_amx_peak_gflops(1.0)
+    out(f"DRAM read bandwidth: {bw:.1f} GB/s (extension AVX-512 read), {bw_torch:.1f} GB/s (torch.sum over 2 GiB)")
+    out(f"AMX BF16 tile-only peak: {peak:.0f} GFLOP/s")
+    out()
+
+    # -- memory-bound ----------------------------------------------------------------------------------------
+    E, K, H, I, T = 128, 8, 2048, 768, 512
+    wts = make_layer(E, H, I)
+    packed = amx.pack(wts)
+    x, ids, w, gy = make_inputs(E, K, H, T)
+    nbytes = packed.gate.nbytes + packed.up.nbytes + packed.down.nbytes
+    t_read = nbytes / (bw * 1e9)
+    tf = timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time)
+    tfb = timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)
+    tpk = tb.pack(wts)
+    ttf = timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time)
+    out(f"### memory-bound E={E} K={K} H={H} I={I} T={T} ({nbytes / 1e9:.2f} GB bf16 weights)")
+    out()
+    out("| what | time ms | vs one weight read | target |")
+    out("| --- | ---: | ---: | --- |")
+    out(f"| one read of the weights at {bw:.1f} GB/s | {t_read * 1e3:.1f} | 1.00x | |")
+    out(f"| amx_bf16 forward | {tf * 1e3:.1f} | {tf / t_read:.2f}x | <= 1.35x |")
+    out(f"| amx_bf16 backward (fwd+bwd minus fwd) | {(tfb - tf) * 1e3:.1f} | {(tfb - tf) / t_read:.2f}x | <= 2x |")
+    out(f"| amx_bf16 forward+backward | {tfb * 1e3:.1f} | {tfb / t_read:.2f}x | |")
+    out(f"| torch backend forward | {ttf * 1e3:.1f} | {ttf / t_read:.2f}x | |")
+    out()
+    del wts, packed, tpk
+    gc.collect()
+
+    # -- compute-bound -------------------------------------------------------------------------------------------
+    E, K, H, I, T = 8, 2, 2048, 1408, 4096
+    wts = make_layer(E, H, I)
+    packed = amx.pack(wts)
+    x, ids, w, gy = make_inputs(E, K, H, T)
+    flops = 2.0 * T * K * H * 3 * I
+    tf = timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time)
+    tfb = timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)
+    a = torch.randn(T * K, H, dtype=torch.bfloat16)
+    w1 = torch.randn(H, 2 * I, dtype=torch.bfloat16)
+    w2 = torch.randn(I, H, dtype=torch.bfloat16)
+
+    def dense():
+        hh = a @ w1
+        return hh[:, :I] @ w2
+
+    t_dense = timeit(dense, min_time=min_time)
+    out(f"### compute-bound E={E} K={K} H={H} I={I} T={T} ({flops / 1e9:.0f} GFLOP per forward)")
+    out()
+    out("| what | time ms | GFLOP/s | vs AMX peak | target |")
+    out("| --- | ---: | ---: | ---: | --- |")
+    out(f"| AMX tile-only peak | | {peak:.0f} | 100% | |")
+    out(f"| amx_bf16 forward | {tf * 1e3:.1f} | {flops / tf / 1e9:.0f} | {flops / tf / 1e9 / peak:.0%} | >= 70% |")
+    out(f"| amx_bf16 forward+backward (3x FLOPs) | {tfb * 1e3:.1f} | {3 * flops / tfb / 1e9:.0f} | "
+        f"{3 * flops / tfb / 1e9 / peak:.0%} | |")
+    out(f"| torch bf16 dense matmul, same FLOPs | {t_dense * 1e3:.1f} | {flops / t_dense / 1e9:.0f} | "
+        f"{flops / t_dense / 1e9 / peak:.0%} | amx_bf16 >= 1.3x this: {t_dense / tf:.2f}x |")
+    out()
+    del wts, packed, a, w1, w2
+    gc.collect()
+
+    # -- DeepSeek-V2-Lite ------------------------------------------------------------------------------------
+    E, K, H, I = 64, 6, 2048, 1408
+    wts = make_layer(E, H, I)
+    packed = amx.pack(wts)
+    tpk = tb.pack(wts)
+    out(f"### DeepSeek-V2-Lite layer E={E} K={K} H={H} I={I} (torch backend: bf16, {threads} torch threads)")
+    out()
+    out("| T | amx fwd ms | torch fwd ms | fwd speed-up | amx fwd+bwd ms | torch fwd+bwd ms | fwd+bwd speed-up |")
+    out("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for T in (1, 16, 512, 4096):
+        x, ids, w, gy = make_inputs(E, K, H, T)
+        af = timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time)
+        afb = timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)
+        if args.skip_torch_backend:
+            out(f"| {T} | {af * 1e3:.2f} | | | {afb * 1e3:.2f} | | |")
+            continue
+        tf_ = timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time, min_reps=2)
+        tfb_ = timeit(run_fwd_bwd(tb, tpk, x, ids, w, gy), min_time=min_time, min_reps=2)
+        out(f"| {T} | {af * 1e3:.2f} | {tf_ * 1e3:.2f} | {tf_ / af:.1f}x | {afb * 1e3:.2f} | {tfb_ * 1e3:.2f} | "
+            f"{tfb_ / afb:.1f}x |")
+    out()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
