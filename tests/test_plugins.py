@@ -27,7 +27,7 @@ from ktcore.plugins import (  # noqa: E402
     get_registry,
     list_plugins,
 )
-from ktcore.specs import SPEC_TYPES, ArchSpec, ExpertBackendSpec  # noqa: E402
+from ktcore.specs import SPEC_TYPES, ExpertBackendSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "plugins.md"
@@ -171,12 +171,12 @@ def test_same_distribution_twice_on_sys_path_is_not_a_conflict(fake_dists, tmp_p
     again = FakeDists(tmp_path / "site2")
     again.suffix = fake_dists.suffix  # the same module names: a second copy of the same install
     again.backend("ktcore-fake-twice", "twiceb")
-    clean_plugin_env_path = str(again.root)
-    sys.path.append(clean_plugin_env_path)
+    second_site = str(again.root)
+    sys.path.append(second_site)
     try:
         rows = [r for r in Registry().records() if r.name == "twiceb"]
     finally:
-        sys.path.remove(clean_plugin_env_path)
+        sys.path.remove(second_site)
     assert len(rows) == 1
 
 
