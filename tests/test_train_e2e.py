@@ -88,8 +88,13 @@ def _assert_loss_falls(summary, steps, margin=0.2):
 
 
 def _logits(model, ids):
+    device = next(p.device for p in model.parameters() if p.device.type != "meta")
     with torch.no_grad():
-        return model(input_ids=ids).logits.float()
+        return model(input_ids=ids.to(device)).logits.float().cpu()
+
+
+# fp32 on the CPU: the same math up to summation order; on a GPU the non-expert part runs on CUDA kernels
+TOL = 1e-4 if torch.cuda.is_available() else 1e-5
 
 
 def _rel(a, b) -> float:
@@ -122,9 +127,9 @@ def test_sft_generated_data_adapter_reloads(tmp_path, model_dir, generated_data)
     kt = PeftModel.from_pretrained(kt_model, out).eval()
     plain_logits, kt_logits = _logits(plain, ids), _logits(kt, ids)
     assert _rel(plain_logits, base_logits) > 1e-3, "the trained adapter should change the logits"
-    assert _rel(kt_logits, plain_logits) <= 1e-5
+    assert _rel(kt_logits, plain_logits) <= TOL
     with kt.disable_adapter():  # expert LoRA off too: back to the base model
-        assert _rel(_logits(kt, ids), base_logits) <= 1e-5
+        assert _rel(_logits(kt, ids), base_logits) <= TOL
 
 
 def test_sft_shared_llamafactory_data(tmp_path, model_dir, shared_data):

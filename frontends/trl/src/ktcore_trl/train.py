@@ -6,7 +6,7 @@ ktcore supplies the model (routed experts in the CPU backend when ``use_kt: true
 Order of work, so that bad input fails fast: validate the config and read every dataset file -> load the
 tokenizer and tokenize (template and cutoff_len checks) -> only then load the model.
 
-The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``finish``) are shared with the DPO
+The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter``, ``summary``) are shared with the DPO
 stage that comes next.
 """
 
@@ -133,8 +133,21 @@ def count_parameters(model) -> dict:
 # ---- trainer -------------------------------------------------------------------------------------------------
 
 
-def trainer_kwargs(cfg) -> dict:
-    """TrainingArguments keys shared by every stage, mapped from the YAML."""
+def _checkpointing_kwargs(cfg, args_cls) -> dict:
+    """Gradient checkpointing under the name this transformers uses (``activation_checkpointing`` since 5.2x)."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(args_cls)}
+    prefix = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    extra = {"use_reentrant": False} if cfg.gradient_checkpointing else None
+    kwargs = {prefix: cfg.gradient_checkpointing, f"{prefix}_kwargs": extra}
+    if prefix == "activation_checkpointing" and "gradient_checkpointing" in names:
+        kwargs.update(gradient_checkpointing=None, gradient_checkpointing_kwargs=None)  # TRL's defaults would warn
+    return kwargs
+
+
+def trainer_kwargs(cfg, args_cls) -> dict:
+    """TrainingArguments keys shared by every stage, mapped from the YAML (``args_cls``: SFTConfig, DPOConfig...)."""
     import torch
 
     warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else cfg.warmup_ratio  # a float < 1 is a ratio
@@ -162,12 +175,11 @@ def trainer_kwargs(cfg) -> dict:
         bf16=cfg.bf16,
         fp16=cfg.fp16,
         report_to=cfg.report_to,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
         dataloader_num_workers=cfg.dataloader_num_workers,
         ddp_timeout=cfg.ddp_timeout,
         use_cpu=cpu,
         remove_unused_columns=False,
+        **_checkpointing_kwargs(cfg, args_cls),
     )
 
 
@@ -179,30 +191,31 @@ def make_sft_trainer(model, tokenizer, dataset, cfg, callbacks=()):
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.step_loss = defaultdict(lambda: [0.0, 0])  # step -> [sum of token NLL, answer tokens]
+            self.step_loss = defaultdict(lambda: [0.0, 0])  # step -> [loss sum, weight]
             self.tokens_seen = 0
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
-                                                 num_items_in_batch=num_items_in_batch)
+            # (asking TRL for the outputs would cost an extra forward pass, so only the loss is read)
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
             if model.training:
+                loss = result[0] if return_outputs else result
                 record = self.step_loss[self.state.global_step]
-                log_probs, mask = getattr(outputs, "log_probs", None), getattr(outputs, "label_mask", None)
-                if log_probs is not None and mask is not None:
-                    record[0] += float(-log_probs.detach().float().sum())
-                    record[1] += int(mask.sum())
-                else:
+                if num_items_in_batch is not None:  # each micro-batch's loss is its share of the step's mean
+                    record[0] += float(loss.detach())
+                    record[1] = 1
+                else:  # a per-micro-batch mean: weight it by its answer tokens
                     n = int((inputs["labels"][..., 1:] != data.IGNORE_INDEX).sum())
                     record[0] += float(loss.detach()) * n
                     record[1] += n
                 mask = inputs.get("attention_mask")
                 self.tokens_seen += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
-            return (loss, outputs) if return_outputs else loss
+            return result
 
         def losses(self) -> list[float]:
             return [s / max(n, 1) for _, (s, n) in sorted(self.step_loss.items())]
 
-    args = SFTConfig(**trainer_kwargs(cfg), max_length=cfg.cutoff_len, packing=False, dataset_num_proc=None,
+    args = SFTConfig(**trainer_kwargs(cfg, SFTConfig), max_length=cfg.cutoff_len, packing=False, dataset_num_proc=None,
                      completion_only_loss=None, assistant_only_loss=False, shuffle_dataset=False)
     return KtSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks))
