@@ -122,6 +122,7 @@ def build_demo_files(workdir, steps: int = DEFAULT_STEPS, seed: int = 0, n_train
         tokenizer = build_byte_tokenizer()
         model = build_tiny_moe(tokenizer, seed=seed)
         tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=workdir))  # built aside, renamed when complete
+        tmp.chmod(0o755)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(model_dir, ignore_errors=True)

@@ -324,8 +324,6 @@ def tokenize_example(example: Example, tokenizer, template, cutoff_len: int) -> 
 
 def tokenize_sft(examples: list[Example], tokenizer, cfg, template: Optional[str] = None):
     """A ``datasets.Dataset`` with ``input_ids`` and ``labels`` for TRL's SFTTrainer (prompt tokens -100)."""
-    from datasets import Dataset
-
     rows = []
     for example in examples:
         row = tokenize_example(example, tokenizer, template, cfg.cutoff_len)
@@ -334,4 +332,21 @@ def tokenize_sft(examples: list[Example], tokenizer, cfg, template: Optional[str
     if not rows:
         raise ConfigError(f"{_where(cfg)}: no example keeps an answer token after cutoff_len={cfg.cutoff_len}; "
                           "raise cutoff_len or check the dataset's answer column")
-    return Dataset.from_list(rows)
+    return _dataset(rows)
+
+
+def _dataset(rows: list[dict]):
+    """A ``datasets.Dataset`` whose fingerprint is the hash of its content.
+
+    (``Dataset.from_list`` would fingerprint by pickling the Arrow table, which fails with some
+    pyarrow/dill/Python combinations, e.g. pyarrow 26 on Python 3.12.)
+    """
+    import hashlib
+
+    import pyarrow as pa
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+
+    digest = hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:16]
+    columns = {key: [row[key] for row in rows] for key in rows[0]}
+    return Dataset(InMemoryTable(pa.table(columns)), fingerprint=f"ktcore-{digest}")
