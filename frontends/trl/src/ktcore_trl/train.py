@@ -48,6 +48,11 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.bf16 and cfg.fp16:
         raise ConfigError(f"{where}: bf16 and fp16 are both true; choose one")
     model_dir = Path(cfg.model_name_or_path)
+    name = str(cfg.model_name_or_path)
+    looks_local = model_dir.is_absolute() or name.startswith(".") or name.count("/") != 1
+    if not model_dir.exists() and looks_local:
+        raise ConfigError(f"{where}: model_name_or_path {name!r} does not exist; fix the path (for "
+                          "examples/demo.yaml run `ktcore demo` first: it builds runs/demo/)")
     if model_dir.exists() and not (model_dir / "config.json").is_file():
         raise ConfigError(f"{where}: model_name_or_path {str(model_dir)!r} has no config.json; point it at a "
                           "model saved with save_pretrained")
