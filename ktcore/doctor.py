@@ -84,7 +84,7 @@ def collect(seconds: float = 0.5) -> dict:
     report["amx_bf16_peak_source"] = source
     from .select import resolve_backend
 
-    choice = resolve_backend("auto", need_backward=True)
+    choice = resolve_backend("auto", need_backward=True, need_lora=True)
     report["auto_backend"] = choice.spec.name if choice.spec else None
     report["threads_env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "KTCORE_CPU_FLAGS") if k in os.environ}
     return report

@@ -8,8 +8,8 @@ packed size plus one layer.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 from .experts import ExpertLayer, ExpertWeights
 from .weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
 from .wrap import activation_name, canonical_weights, finish, install_layer, prepare
+
+PARTS = ("gate", "up", "down")
 
 
 def _resolve_dtype(hf_config, dtype) -> torch.dtype:
@@ -36,48 +38,72 @@ def _set_tensor(model, name: str, value: torch.Tensor, is_param: bool) -> None:
         module._buffers[leaf] = value
 
 
-def _expert_layout(ckpt: SafetensorsCheckpoint, arch, layer: int) -> str:
-    per_expert = arch.expert_keys.get("gate", "").format(layer=layer, expert=0)
-    fused = arch.fused_expert_keys.get("gate_up", "").format(layer=layer)
-    if per_expert and per_expert in ckpt:
-        return "per_expert"
-    if fused and fused in ckpt:
-        return "fused"
-    raise CheckpointError(f"{ckpt.root}: no routed-expert tensors for layer {layer} (looked for {per_expert!r} "
-                          f"and {fused!r})")
+def checkpoint_names(ckpt: SafetensorsCheckpoint, arch) -> dict:
+    """model tensor name -> checkpoint tensor name, after the architecture's renames."""
+    mapping = {}
+    for key in ckpt.keys():
+        name = key
+        for pattern, replacement in arch.checkpoint_renames:
+            name = re.sub(pattern, replacement, name)
+        mapping[name] = key
+    return mapping
 
 
-def _plan_experts(ckpt, arch, layer: int, module) -> str:
-    """Check every expert tensor of one layer; returns its on-disk layout."""
-    num_experts, rows, cols = module.gate_up_proj.shape
-    if getattr(module, "is_transposed", False):  # [E, H, 2I]
-        hidden, inter = rows, cols // 2
-    else:  # [E, 2I, H]
-        hidden, inter = cols, rows // 2
-    layout = _expert_layout(ckpt, arch, layer)
-    what = f" (routed experts of layer {layer})"
-    if layout == "per_expert":
-        for expert in range(num_experts):  # nn.Linear layout: [out, in]
-            for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
-                ckpt.expect(arch.expert_keys[part].format(layer=layer, expert=expert), shape, what)
-    else:
-        ckpt.expect(arch.fused_expert_keys["gate_up"].format(layer=layer), tuple(module.gate_up_proj.shape), what)
-        ckpt.expect(arch.fused_expert_keys["down"].format(layer=layer), tuple(module.down_proj.shape), what)
-    return layout
+class ExpertSource:
+    """Where one layer's experts are in the checkpoint, validated against the model's shapes."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, arch, layer: int, module):
+        self.ckpt, self.arch, self.layer = ckpt, arch, layer
+        if arch.dense_mlp:
+            self.num_experts = 1
+            inter, hidden = module.gate_proj.weight.shape
+        else:
+            self.num_experts, rows, cols = module.gate_up_proj.shape
+            transposed = getattr(module, "is_transposed", False)  # [E, H, 2I] instead of [E, 2I, H]
+            hidden, inter = (rows, cols // 2) if transposed else (cols, rows // 2)
+        self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # nn.Linear [out, in]
+        self.module = module
+        what = f" (routed experts of layer {layer})"
+        if self._key("gate", 0) in ckpt:
+            self.layout = "per_expert"
+            for expert in range(self.num_experts):
+                for part in PARTS:
+                    ckpt.expect(self._key(part, expert), self.shapes[part], what)
+        elif arch.fused_expert_keys and arch.fused_expert_keys["gate_up"].format(layer=layer) in ckpt:
+            self.layout = "fused"
+            ckpt.expect(self._fused("gate_up"), tuple(module.gate_up_proj.shape), what)
+            ckpt.expect(self._fused("down"), tuple(module.down_proj.shape), what)
+        else:
+            looked = [self._key("gate", 0)] + ([self._fused("gate_up")] if arch.fused_expert_keys else [])
+            raise CheckpointError(f"{ckpt.root}: no expert tensors for layer {layer} (looked for "
+                                  f"{' and '.join(map(repr, looked))})")
+
+    def _key(self, part: str, expert: int) -> str:
+        return self.arch.expert_keys[part].format(layer=self.layer, expert=expert)
+
+    def _fused(self, part: str) -> str:
+        return self.arch.fused_expert_keys[part].format(layer=self.layer)
+
+    def read(self, dtype) -> ExpertWeights:
+        if self.layout == "fused":
+            return canonical_weights(self.module, self.ckpt.get(self._fused("gate_up")).to(dtype),
+                                     self.ckpt.get(self._fused("down")).to(dtype))
+        out = {p: torch.empty((self.num_experts, *self.shapes[p]), dtype=dtype) for p in PARTS}
+        for expert in range(self.num_experts):
+            for part in PARTS:
+                out[part][expert].copy_(self.ckpt.get(self._key(part, expert)))
+        return ExpertWeights(out["gate"], out["up"], out["down"])
 
 
-def _read_experts(ckpt, arch, layer: int, module, layout: str, dtype) -> ExpertWeights:
-    if layout == "fused":
-        gate_up = ckpt.get(arch.fused_expert_keys["gate_up"].format(layer=layer)).to(dtype)
-        down = ckpt.get(arch.fused_expert_keys["down"].format(layer=layer)).to(dtype)
-        return canonical_weights(module, gate_up, down)
-    num_experts = module.gate_up_proj.shape[0]
-    first = {p: ckpt.shape(arch.expert_keys[p].format(layer=layer, expert=0)) for p in ("gate", "up", "down")}
-    out = {p: torch.empty((num_experts, *shape), dtype=dtype) for p, shape in first.items()}
-    for expert in range(num_experts):
-        for part, dest in out.items():
-            dest[expert].copy_(ckpt.get(arch.expert_keys[part].format(layer=layer, expert=expert)))
-    return ExpertWeights(out["gate"], out["up"], out["down"])
+def _materialise_buffers(model, ckpt, names, device) -> None:
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    for name, buf in list(model.named_buffers()):
+        if name in names:
+            _set_tensor(model, name, ckpt.get(names[name]).to(device), False)
+        elif buf.is_meta:
+            _set_tensor(model, name, torch.empty_like(buf, device=device), False)
+            if name not in persistent:  # computed buffers (rotary inv_freq): the model fills them
+                model._init_weights(model.get_submodule(name.rpartition(".")[0]))
 
 
 def load_model(path, config=None, *, device=None, dtype=None, need_backward: bool = True,
@@ -89,49 +115,50 @@ def load_model(path, config=None, *, device=None, dtype=None, need_backward: boo
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; pass a model directory saved by save_pretrained")
     hf_config = AutoConfig.from_pretrained(path)
+    fp8_block = (128, 128)
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:  # FP8 block-scaled checkpoints (DeepSeek-V3) are dequantised while streaming
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        fp8_block = tuple(quant.get("weight_block_size") or fp8_block)
+        del hf_config.quantization_config
     dtype = _resolve_dtype(hf_config, dtype)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with SafetensorsCheckpoint(path) as ckpt:
+    with SafetensorsCheckpoint(path, fp8_block) as ckpt:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         kt, arch, backend, budget, modules = prepare(model, config, need_backward)
         act = activation_name(model.config)
         expert_prefixes = tuple(name + "." for _, name, _ in modules)
+        names = checkpoint_names(ckpt, arch)
 
         # 1. validate everything against the headers before loading a byte
         params = [(n, p) for n, p in model.named_parameters() if not n.startswith(expert_prefixes)]
-        tied = set((getattr(model, "_tied_weights_keys", None) or {}) if hf_config.get_text_config().tie_word_embeddings
-                   else {})
+        tied = set(getattr(model, "_tied_weights_keys", None) or {}) \
+            if hf_config.get_text_config().tie_word_embeddings else set()
         for name, p in params:
-            if name in tied and name not in ckpt:
-                continue
-            ckpt.expect(name, tuple(p.shape))
-        layouts = {name: _plan_experts(ckpt, arch, layer, module) for layer, name, module in modules}
+            if name in names:
+                ckpt.expect(names[name], tuple(p.shape))
+            elif name not in tied:
+                raise CheckpointError(f"{path}: tensor {name!r} is missing from the checkpoint")
+        sources = {name: ExpertSource(ckpt, arch, layer, module) for layer, name, module in modules}
 
         # 2. non-expert weights onto the device
-        for name, p in params:
-            if name in ckpt:
-                value = ckpt.get(name)
+        for name, _ in params:
+            if name in names:
+                value = ckpt.get(names[name])
                 _set_tensor(model, name, value.to(device, dtype if value.is_floating_point() else value.dtype), True)
-        persistent = set(model.state_dict(keep_vars=True).keys())
-        for name, buf in list(model.named_buffers()):
-            if name in ckpt:
-                _set_tensor(model, name, ckpt.get(name).to(device), False)
-            elif buf.is_meta:
-                _set_tensor(model, name, torch.empty_like(buf, device=device), False)
-                if name not in persistent:  # computed buffers (rotary inv_freq): let the model fill them
-                    model._init_weights(model.get_submodule(name.rpartition(".")[0]))
+        _materialise_buffers(model, ckpt, names, device)
         if tied:
             model.tie_weights()
 
         # 3. routed experts, one layer at a time, straight into the backend
         layers = {}
-        for layer, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
-            weights = _read_experts(ckpt, arch, layer, module, layouts[name], dtype)
+        for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
+            weights = sources[name].read(dtype)
             packed = backend.pack(weights, activation=act)
             del weights
             layers[name] = ExpertLayer(backend, packed, budget, kt.kt_cpu_activation, name)
-            install_layer(module, layers[name], dtype, device)
+            install_layer(model, name, module, layers[name], arch, dtype, device)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise CheckpointError(f"{path}: no weights for {', '.join(leftover[:5])}; the checkpoint does not match "

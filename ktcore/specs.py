@@ -64,6 +64,11 @@ class ArchSpec:
     shared_experts: str = ""  # descriptive: where shared experts live, if any
     default_lora_targets: tuple[str, ...] = ()  # linear module names for lora_target: all
     expert_lora_parameters: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    # (regex, replacement) applied to checkpoint names to get the model's names (e.g. Mixtral's
+    # ".block_sparse_moe." -> ".mlp."); expert key templates above use the checkpoint's own names
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # True: experts_module is a dense gated MLP (gate_proj/up_proj/down_proj) run as one expert of weight 1
+    dense_mlp: bool = False
     notes: str = ""
 
     def __post_init__(self):

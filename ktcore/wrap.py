@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .config import KTConfig, as_kt_config
+from .dense import PROJECTIONS, OffloadedMLP, dense_weights
 from .experts import ActivationBudget, ExpertLayer, ExpertWeights
 from .lora import expert_lora_of
 from .placeholder import is_placeholder, make_placeholder
@@ -73,12 +74,13 @@ def experts_pattern(arch: ArchSpec) -> re.Pattern:
 
 
 def expert_modules(model, arch: ArchSpec) -> list[tuple[int, str, torch.nn.Module]]:
-    """(layer index, module name, module) of every routed-experts module, in layer order."""
+    """(layer index, module name, module) of every routed-experts module (dense MLP for dense archs)."""
     pattern = experts_pattern(arch)
+    parts = PROJECTIONS if arch.dense_mlp else ("gate_up_proj", "down_proj")
     found = []
     for name, module in model.named_modules():
         match = pattern.search(name)
-        if match and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+        if match and all(hasattr(module, p) for p in parts):
             found.append((int(match.group(1)), name, module))
     return sorted(found, key=lambda item: item[0])
 
@@ -90,10 +92,29 @@ def activation_name(hf_config) -> str:
     return _HF_ACTIVATIONS[act]
 
 
-def check_experts_module(module, name: str) -> None:
+def check_experts_module(module, name: str, arch: ArchSpec) -> None:
+    if arch.dense_mlp:
+        if any(getattr(module, p).bias is not None for p in PROJECTIONS):
+            raise ValueError(f"{name}: MLPs with bias (mlp_bias=True) are not supported by ktcore yet")
+        return
     for flag, ok in (("has_bias", False), ("has_gate", True), ("has_post_expert_norm", False)):
         if getattr(module, flag, ok) != ok:
             raise ValueError(f"{name}: experts with {flag}={not ok} are not supported by ktcore yet")
+
+
+def is_wrapped(module) -> bool:
+    return isinstance(module, OffloadedMLP) or is_placeholder(getattr(module, "gate_up_proj", None))
+
+
+def module_weights(module, arch: ArchSpec) -> ExpertWeights:
+    if arch.dense_mlp:
+        return dense_weights(module)
+    return canonical_weights(module, module.gate_up_proj.detach(), module.down_proj.detach())
+
+
+def weight_dtype_device(module, arch: ArchSpec):
+    ref = module.gate_proj.weight if arch.dense_mlp else module.gate_up_proj
+    return ref.dtype, ref.device
 
 
 def canonical_weights(module, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
@@ -105,8 +126,12 @@ def canonical_weights(module, gate_up: torch.Tensor, down: torch.Tensor) -> Expe
     return ExpertWeights.from_fused(gate_up, down)
 
 
-def install_layer(module, layer: ExpertLayer, dtype, device) -> None:
-    """Swap the experts' parameters for placeholders and attach the backend layer."""
+def install_layer(model, name: str, module, layer: ExpertLayer, arch: ArchSpec, dtype, device) -> None:
+    """Hand the experts to the backend: placeholders (and the layer) in the module, or an OffloadedMLP."""
+    if arch.dense_mlp:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, OffloadedMLP(module, layer, dtype, device))
+        return
     module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
     module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
     module.__dict__["_ktcore_layer"] = layer  # plain attribute: not a submodule, not in state_dict
@@ -125,14 +150,15 @@ def prepare(model, config, need_backward: bool = True):
         raise ValueError(f"found no routed-experts modules matching {arch.experts_module!r} in this "
                          f"{type(model).__name__}")
     for _, name, module in modules:
-        check_experts_module(module, name)
+        check_experts_module(module, name, arch)
     backend = get_backend(kt.kt_backend, kt, need_backward=need_backward, need_lora=need_backward)
     return kt, arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
 def finish(model, kt, arch, backend, layers) -> None:
-    register_experts_implementation()
-    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    if not arch.dense_mlp:  # dense MLPs were replaced by OffloadedMLP; MoE experts dispatch through HF
+        register_experts_implementation()
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers)
 
 
@@ -142,11 +168,11 @@ def wrap_model(model, config=None, need_backward: bool = True):
     act = activation_name(model.config)
     layers = {}
     for _, name, module in modules:
-        if is_placeholder(module.gate_up_proj):
+        if is_wrapped(module):
             raise ValueError(f"{name} is already wrapped by ktcore")
-        weights = canonical_weights(module, module.gate_up_proj.detach(), module.down_proj.detach())
-        layer = ExpertLayer(backend, backend.pack(weights, activation=act), budget, kt.kt_cpu_activation, name)
-        install_layer(module, layer, module.gate_up_proj.dtype, module.gate_up_proj.device)
-        layers[name] = layer
+        dtype, device = weight_dtype_device(module, arch)
+        packed = backend.pack(module_weights(module, arch), activation=act)
+        layers[name] = ExpertLayer(backend, packed, budget, kt.kt_cpu_activation, name)
+        install_layer(model, name, module, layers[name], arch, dtype, device)
     finish(model, kt, arch, backend, layers)
     return model

@@ -22,10 +22,11 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsCheckpoint:
-    def __init__(self, path):
+    def __init__(self, path, fp8_block: tuple[int, int] = (128, 128)):
         from safetensors import safe_open
 
         self.root = Path(path)
+        self.fp8_block = tuple(fp8_block)
         self._files: dict[str, Path] = {}  # tensor name -> file
         self._stack = ExitStack()
         self._handles = {}
@@ -95,10 +96,33 @@ class SafetensorsCheckpoint:
                                   f"{list(shape)}; the checkpoint does not match config.json")
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor; FP8 weights with a ``<name>_scale_inv`` block scale come back dequantised (fp32)."""
         try:
-            return self._handles[self._files[name]].get_tensor(name)
+            tensor = self._handles[self._files[name]].get_tensor(name)
+            scale_name = name + "_scale_inv"
+            if tensor.dtype in FP8_DTYPES and scale_name in self._files:
+                scale_inv = self._handles[self._files[scale_name]].get_tensor(scale_name)
+                tensor = dequantize_fp8_blocks(tensor, scale_inv, self.fp8_block)
+            return tensor
+        except CheckpointError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"{self._files[name]}: cannot read tensor {name!r} ({exc})") from exc
+
+
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """DeepSeek-V3's FP8 layout: ``w = fp8 * scale_inv[i // rows, j // cols]`` over ``rows x cols`` blocks."""
+    out_dim, in_dim = weight.shape
+    rows, cols = block
+    expected = (-(-out_dim // rows), -(-in_dim // cols))
+    if tuple(scale_inv.shape) != expected:
+        raise CheckpointError(f"FP8 weight {list(weight.shape)} needs {list(expected)} block scales of "
+                              f"{rows}x{cols}, found {list(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(rows, 0)[:out_dim].repeat_interleave(cols, 1)[:, :in_dim]
+    return weight.float() * scale
 
 
 def _check_extent(file: Path, size: int) -> None:

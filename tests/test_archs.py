@@ -1,0 +1,224 @@
+"""Every built-in architecture against the unmodified transformers model (fp32): wrapped, and loaded back."""
+
+import copy
+import json
+
+import pytest
+import torch
+from archs import FAMILIES, MOE_LAYERS, tiny_model
+from peft import LoraConfig, get_peft_model
+
+import ktcore
+from ktcore.lora import lora_targets
+from ktcore.testing import relative_error
+from ktcore.weights.safetensors_reader import CheckpointError
+from ktcore.wrap import find_arch
+
+TORCH = {"kt_backend": "torch"}
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (2, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return ids, mask
+
+
+def peft_config(model):
+    modules, params = lora_targets(model, find_arch(model.config), "all")
+    return LoraConfig(r=4, lora_alpha=8, target_modules=modules, target_parameters=params or None,
+                      init_lora_weights=False)
+
+
+def run(model, ids, mask):
+    model.zero_grad()
+    out = model(ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_equivalent(plain, ours, seed=0):
+    ids, mask = batch(seed)
+    cfg = peft_config(plain)
+    torch.manual_seed(11)
+    b = get_peft_model(ours, copy.deepcopy(cfg))
+    torch.manual_seed(11)
+    a = get_peft_model(plain, cfg)
+    ref, ref_grads = run(a, ids, mask)
+    got, got_grads = run(b, ids, mask)
+    assert relative_error(got.logits, ref.logits) <= 1e-5
+    assert abs(got.loss.item() - ref.loss.item()) <= 1e-5 * ref.loss.item()
+    assert set(got_grads) == set(ref_grads) and ref_grads
+    for name, grad in ref_grads.items():
+        assert relative_error(got_grads[name], grad) <= 1e-4, name
+    return ref_grads
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["regular", "odd-shapes"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_wrapped_matches_transformers(family, odd):
+    plain = tiny_model(family, odd)
+    ours = ktcore.wrap_model(copy.deepcopy(plain), TORCH)
+    assert sorted(ours.ktcore.layers) == [f"model.layers.{i}.mlp" + ("" if family == "llama" else ".experts")
+                                          for i in MOE_LAYERS[family]]
+    grads = assert_equivalent(plain, ours)
+    if family != "llama":
+        assert any("experts" in n for n in grads), "expert LoRA must be trained"
+    else:
+        assert any("mlp.gate_proj" in n for n in grads)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_load_model_from_safetensors_matches(tmp_path, family):
+    plain = tiny_model(family, seed=1)
+    plain.save_pretrained(tmp_path / "model")
+    ours = ktcore.load_model(tmp_path / "model", TORCH, device="cpu", progress=False)
+    assert_equivalent(plain, ours, seed=1)
+
+
+def test_list_archs_names_hf_classes():
+    from click.testing import CliRunner
+
+    from ktcore.cli import main
+
+    out = CliRunner().invoke(main, ["list-archs"]).output
+    for cls in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                "MixtralForCausalLM", "LlamaForCausalLM"):
+        assert cls in out
+
+
+def test_deepseek_v3_group_ties():
+    """Experts with identical router rows put groups in exact ties; routing (HF's) and math must still agree."""
+    plain = tiny_model("deepseek_v3", seed=2)
+    with torch.no_grad():
+        for layer in MOE_LAYERS["deepseek_v3"]:
+            gate = plain.model.layers[layer].mlp.gate
+            half = gate.weight.shape[0] // 2
+            gate.weight[half:] = gate.weight[:half]
+            gate.e_score_correction_bias.zero_()
+    assert_equivalent(plain, ktcore.wrap_model(copy.deepcopy(plain), TORCH), seed=2)
+
+
+def test_fused_layout_on_disk(tmp_path):
+    """transformers 5's fused gate_up_proj/down_proj tensors on disk load as well as per-expert ones."""
+    from safetensors.torch import save_file
+
+    plain = tiny_model("qwen3_moe", seed=3)
+    plain.save_pretrained(tmp_path / "model")
+    state = {k: v.contiguous() for k, v in plain.state_dict().items()}
+    save_file(state, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
+    ours = ktcore.load_model(tmp_path / "model", TORCH, device="cpu", progress=False)
+    assert_equivalent(plain, ours, seed=3)
+
+
+def _fp8_blocks(weight, block=128):
+    out_dim, in_dim = weight.shape
+    rows, cols = -(-out_dim // block), -(-in_dim // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:out_dim, :in_dim] = weight
+    tiles = padded.view(rows, block, cols, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (tiles / scale[:, None, :, None]).view(rows * block, cols * block)[:out_dim, :in_dim]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def test_deepseek_v3_fp8_checkpoint_is_dequantised_while_streaming(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    plain = tiny_model("deepseek_v3", seed=4)
+    plain.save_pretrained(tmp_path / "model")
+    path = tmp_path / "model" / "model.safetensors"
+    state = load_file(path)
+    quantised = {}
+    for name, value in state.items():
+        if name.endswith("proj.weight") and "layernorm" not in name and value.dim() == 2:
+            q, scale = _fp8_blocks(value)
+            quantised[name], quantised[name + "_scale_inv"] = q, scale
+            state[name] = (q.float() * scale.repeat_interleave(128, 0)[: value.shape[0]]
+                           .repeat_interleave(128, 1)[:, : value.shape[1]])  # what the model should hold
+        else:
+            quantised[name] = value
+    save_file(quantised, path, metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "model" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                  "activation_scheme": "dynamic"}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(cfg))
+    from transformers import AutoModelForCausalLM
+
+    plain.save_pretrained(tmp_path / "truth")
+    save_file(state, tmp_path / "truth" / "model.safetensors", metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "truth", dtype=torch.float32)  # dequantised truth
+    ours = ktcore.load_model(tmp_path / "model", TORCH, device="cpu", progress=False)
+    assert_equivalent(reference, ours, seed=4)
+
+
+# ---- broken checkpoints: the intended error, before any model is returned ----------------------------
+
+
+@pytest.fixture
+def saved_sharded(tmp_path):
+    plain = tiny_model("qwen3_moe", seed=5)
+    plain.save_pretrained(tmp_path / "model", max_shard_size="50KB")
+    index = tmp_path / "model" / "model.safetensors.index.json"
+    assert index.is_file()
+    return tmp_path / "model"
+
+
+def _rewrite_index(path, fn):
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    fn(data["weight_map"])
+    index.write_text(json.dumps(data))
+
+
+def test_missing_tensor(saved_sharded):
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((saved_sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    file = saved_sharded / index["model.layers.0.self_attn.q_proj.weight"]
+    tensors = load_file(file)
+    del tensors["model.layers.0.self_attn.q_proj.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    _rewrite_index(saved_sharded, lambda wm: wm.pop("model.layers.0.self_attn.q_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*missing"):
+        ktcore.load_model(saved_sharded, TORCH, device="cpu", progress=False)
+
+
+def test_missing_expert_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("qwen3_moe", seed=6).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.2.mlp.experts.5.down_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.5\.down_proj\.weight.*layer 2.*missing"):
+        ktcore.load_model(tmp_path / "m", TORCH, device="cpu", progress=False)
+
+
+def test_wrong_shape(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("mixtral", seed=7).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(path)
+    key = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    tensors[key] = tensors[key][:-1].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor .*experts\.2\.w1\.weight.* has shape"):
+        ktcore.load_model(tmp_path / "m", TORCH, device="cpu", progress=False)
+
+
+def test_truncated_shard(saved_sharded):
+    shard = sorted(saved_sharded.glob("model-*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*(truncated|unreadable)"):
+        ktcore.load_model(saved_sharded, TORCH, device="cpu", progress=False)
+
+
+def test_bad_index_json(saved_sharded):
+    (saved_sharded / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"index\.json: bad index JSON"):
+        ktcore.load_model(saved_sharded, TORCH, device="cpu", progress=False)
