@@ -2,72 +2,99 @@
 
 Only headers are read up front: every tensor a model needs is checked for presence, shape and dtype before
 a byte of weights is loaded, so a broken checkpoint fails with the tensor name and file, leaving nothing
-half-built. Tensors are then read one at a time from the memory-mapped files.
+half-built. Tensor bytes are then read with plain positional reads straight into their destination (no
+memory map), so pages of a file already streamed into the backend do not stay resident in this process.
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.update({"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2})
+FP8_DTYPES = tuple(DTYPES[n] for n in ("F8_E4M3", "F8_E5M2") if n in DTYPES)
+
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, truncated or does not fit the model; the message names the file and tensor."""
 
 
+class _Entry:
+    __slots__ = ("file", "dtype", "shape", "start", "end")
+
+    def __init__(self, file: Path, dtype, shape, start: int, end: int):
+        self.file, self.dtype, self.shape, self.start, self.end = file, dtype, shape, start, end
+
+
+def read_header(file: Path) -> tuple[dict, int]:
+    """(tensor name -> metadata, offset of the data section) of one safetensors file, checked for truncation."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError(f"header length {header_len} does not fit a file of {size} bytes")
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({exc}); the shard is truncated or corrupt, "
+                              "download it again") from exc
+    header.pop("__metadata__", None)
+    base = 8 + header_len
+    end = max((meta["data_offsets"][1] for meta in header.values()), default=0)
+    if base + end > size:
+        raise CheckpointError(f"{file}: truncated ({size} bytes, header promises {base + end}); "
+                              "download the shard again")
+    return header, base
+
+
 class SafetensorsCheckpoint:
     def __init__(self, path, fp8_block: tuple[int, int] = (128, 128)):
-        from safetensors import safe_open
-
         self.root = Path(path)
         self.fp8_block = tuple(fp8_block)
-        self._files: dict[str, Path] = {}  # tensor name -> file
-        self._stack = ExitStack()
-        self._handles = {}
+        self._entries: dict[str, _Entry] = {}
         index = self.root / INDEX_NAME
+        listed: Optional[dict] = None
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                if not isinstance(weight_map, dict):
+                listed = json.loads(index.read_text())["weight_map"]
+                if not isinstance(listed, dict):
                     raise TypeError("weight_map is not an object")
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index}: bad index JSON ({exc}); re-download or re-save the checkpoint") from exc
-            for name, fname in weight_map.items():
-                self._files[name] = self.root / fname
+            files = sorted({self.root / name for name in listed.values()})
         elif (self.root / SINGLE_NAME).is_file():
-            self._files = None  # filled from the header below
+            files = [self.root / SINGLE_NAME]
         else:
             raise CheckpointError(f"{self.root}: no {SINGLE_NAME} or {INDEX_NAME}; is this a model directory?")
-        files = sorted(set(self._files.values())) if self._files is not None else [self.root / SINGLE_NAME]
-        listed = {} if self._files is None else dict(self._files)
-        self._files = {}
         for file in files:
             if not file.is_file():
                 raise CheckpointError(f"{file}: shard named in {INDEX_NAME} is missing")
-            try:
-                handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
-            except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
-                raise CheckpointError(f"{file}: unreadable safetensors file ({exc}); the shard is truncated or "
-                                      "corrupt, download it again") from exc
-            self._handles[file] = handle
-            size = file.stat().st_size
-            for name in handle.keys():
-                if name in listed and listed[name] != file:
+            header, base = read_header(file)
+            for name, meta in header.items():
+                if listed is not None and self.root / listed.get(name, "") != file:
                     continue
-                self._files[name] = file
-            _check_extent(file, size)
-        for name, file in listed.items():
-            if name not in self._files:
-                raise CheckpointError(f"{file}: tensor {name!r} is listed in {INDEX_NAME} but not in that shard")
+                if meta["dtype"] not in DTYPES:
+                    raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+                start, end = meta["data_offsets"]
+                self._entries[name] = _Entry(file, DTYPES[meta["dtype"]], tuple(meta["shape"]), base + start, base + end)
+        for name, fname in (listed or {}).items():
+            if name not in self._entries:
+                raise CheckpointError(f"{self.root / fname}: tensor {name!r} is listed in {INDEX_NAME} but not in "
+                                      "that shard")
 
     def close(self) -> None:
-        self._stack.close()
+        pass  # files are opened per read
 
     def __enter__(self):
         return self
@@ -76,41 +103,46 @@ class SafetensorsCheckpoint:
         self.close()
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self._entries
 
     def keys(self):
-        return self._files.keys()
+        return self._entries.keys()
 
     def file_of(self, name: str) -> Path:
-        return self._files[name]
+        return self._entries[name].file
 
     def shape(self, name: str) -> tuple:
-        return tuple(self._handles[self._files[name]].get_slice(name).get_shape())
+        return self._entries[name].shape
 
     def expect(self, name: str, shape: tuple, what: str = "") -> None:
-        if name not in self._files:
+        if name not in self._entries:
             raise CheckpointError(f"{self.root}: tensor {name!r}{what} is missing from the checkpoint")
-        got = self.shape(name)
+        got = self._entries[name].shape
         if got != tuple(shape):
-            raise CheckpointError(f"{self._files[name]}: tensor {name!r} has shape {list(got)}, the model needs "
-                                  f"{list(shape)}; the checkpoint does not match config.json")
+            raise CheckpointError(f"{self._entries[name].file}: tensor {name!r} has shape {list(got)}, the model "
+                                  f"needs {list(shape)}; the checkpoint does not match config.json")
+
+    def _read_raw(self, name: str) -> torch.Tensor:
+        entry = self._entries[name]
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        nbytes = entry.end - entry.start
+        if out.numel() * out.element_size() != nbytes:
+            raise CheckpointError(f"{entry.file}: tensor {name!r} holds {nbytes} bytes, its shape needs "
+                                  f"{out.numel() * out.element_size()}")
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+        with open(entry.file, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [view], entry.start) if nbytes else 0
+        if got != nbytes:
+            raise CheckpointError(f"{entry.file}: short read of tensor {name!r} ({got} of {nbytes} bytes)")
+        return out
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor; FP8 weights with a ``<name>_scale_inv`` block scale come back dequantised (fp32)."""
-        try:
-            tensor = self._handles[self._files[name]].get_tensor(name)
-            scale_name = name + "_scale_inv"
-            if tensor.dtype in FP8_DTYPES and scale_name in self._files:
-                scale_inv = self._handles[self._files[scale_name]].get_tensor(scale_name)
-                tensor = dequantize_fp8_blocks(tensor, scale_inv, self.fp8_block)
-            return tensor
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"{self._files[name]}: cannot read tensor {name!r} ({exc})") from exc
-
-
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+        tensor = self._read_raw(name)
+        scale_name = name + "_scale_inv"
+        if tensor.dtype in FP8_DTYPES and scale_name in self._entries:
+            tensor = dequantize_fp8_blocks(tensor, self._read_raw(scale_name), self.fp8_block)
+        return tensor
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
@@ -123,14 +155,3 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block=(
                               f"{rows}x{cols}, found {list(scale_inv.shape)}")
     scale = scale_inv.float().repeat_interleave(rows, 0)[:out_dim].repeat_interleave(cols, 1)[:, :in_dim]
     return weight.float() * scale
-
-
-def _check_extent(file: Path, size: int) -> None:
-    """A truncated shard still has a readable header; compare the data it promises with the file size."""
-    with open(file, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    end = max((meta["data_offsets"][1] for key, meta in header.items() if key != "__metadata__"), default=0)
-    if 8 + header_len + end > size:
-        raise CheckpointError(f"{file}: truncated ({size} bytes, header promises {8 + header_len + end}); "
-                              "download the shard again")
