@@ -138,6 +138,18 @@ def train(config_path, frontend, overrides):
 
 
 @main.command()
+@click.argument("config_path", metavar="CFG.yaml", type=click.Path(dir_okay=False))
+@click.option("--prompt", default=None, help="answer this one prompt and exit (default: interactive)")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def chat(config_path, prompt, overrides):
+    """Talk to the model CFG.yaml describes (routed experts on the CPU backend, its adapter if any)."""
+    from .chat import run_chat
+    from .config import load_config
+
+    run_chat(load_config(config_path, overrides), prompt=prompt)
+
+
+@main.command()
 @click.option("--workdir", default="runs/demo", show_default=True, type=click.Path(file_okay=False),
               help="where the demo model, data and adapter are written")
 @click.option("--frontend", default="trl", show_default=True)

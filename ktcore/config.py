@@ -117,6 +117,10 @@ class TrainConfig:
     resume_from_checkpoint: Union[str, bool, None] = _key("checkpoint path, or true for the latest")
     dataloader_num_workers: int = _key("data loader processes", default=0)
     ddp_timeout: int = _key("distributed timeout in seconds", default=1800)
+    # chat / generation
+    max_new_tokens: int = _key("`ktcore chat`: longest answer in tokens", default=256)
+    temperature: float = _key("`ktcore chat`: sampling temperature (0: greedy)", default=0.0)
+    top_p: float = _key("`ktcore chat`: nucleus sampling mass when temperature > 0", default=1.0)
     # ktcore
     use_kt: bool = _key("compute routed experts on the CPU backend", default=False)
     kt_config: KTConfig = _key("the kt_config section (see its keys)", default_factory=KTConfig)
@@ -243,7 +247,7 @@ def _build(cls, data: dict, where: str, prefix: str = ""):
 
 def _check_values(cfg: TrainConfig, where: str) -> None:
     positive = ["lora_rank", "cutoff_len", "per_device_train_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "save_steps"]
+                "logging_steps", "save_steps", "max_new_tokens"]
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{where}: {name} must be > 0, got {getattr(cfg, name)}")

