@@ -18,6 +18,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from .placement import parse_rules
+
 
 class ConfigError(ValueError):
     """A bad configuration; the message is one line that says what to change."""
@@ -48,6 +50,8 @@ class KTConfig:
                                    "layers beyond it recompute", default=64)
     kt_weight_lifecycle: str = _key("keep packed experts resident, or drop them after use",
                                     ("persistent", "ephemeral"), default="persistent")
+    kt_placement: Optional[list] = _key("per-layer rules [{match: REGEX, device: gpu} or {match: REGEX, "
+                                        "backend: NAME}]; the first rule matching an experts module decides")
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
     kt_weight_path: Optional[str] = _key("packed routed-expert store written by `ktcore convert`")
@@ -56,7 +60,7 @@ class KTConfig:
 
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
-                   "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle")
+                   "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")
 
 
@@ -263,6 +267,10 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
                               "remove the key, the experts are read from model_name_or_path")
     if kt.kt_weight_lifecycle != "persistent":
         raise ConfigError(f"{where}: kt_config.kt_weight_lifecycle: only 'persistent' is implemented so far")
+    try:
+        parse_rules(kt.kt_placement, where)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise ConfigError(f"{where}: lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
 
@@ -273,38 +281,47 @@ LEGACY_SECTIONS = ("model", "method", "dataset", "output", "train", "eval", "ktr
 LEGACY_BACKENDS = {"amxint8": ("amx_int8", "int8"), "amxbf16": ("amx_bf16", "bf16"), "llamafile": ("llamafile", "gguf")}
 
 
+def _legacy_backend(kwargs: dict, cls: str, path: Path, where: str) -> tuple[str, str]:
+    method = str(kwargs.get("backend") or kwargs.get("generate_op") or "")
+    key = method.lower().replace("_", "").replace("experts", "").replace("kexperts", "")
+    for legacy, target in LEGACY_BACKENDS.items():
+        if legacy in key:
+            return target
+    raise ConfigError(f"{where}: kt_optimize_rule {str(path)!r}: unknown expert backend {method!r} in class "
+                      f"{cls!r}; use one of AMXInt8, AMXBF16, llamafile")
+
+
 def _translate_rule_file(path: Path, where: str, notes: list[str]) -> dict:
-    """Reduce a kt_optimize_rule YAML to the backend it asks for (per-layer rules: the architecture issue)."""
+    """A kt_optimize_rule YAML's expert rules -> kt_placement rules (+ kt_backend when they agree on one)."""
     if not path.is_file():
         raise ConfigError(f"{where}: kt_optimize_rule file {str(path)!r} does not exist; fix the path or drop the key")
     try:
         rules = yaml.safe_load(path.read_text()) or []
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: kt_optimize_rule {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from exc
-    backends = set()
+    placement, backends = [], set()
     for rule in rules if isinstance(rules, list) else []:
-        replace = (rule or {}).get("replace") or {}
-        cls = str(replace.get("class", ""))
+        replace_ = (rule or {}).get("replace") or {}
+        cls = str(replace_.get("class", ""))
         if "Experts" not in cls:
+            continue  # attention, linear and other module rules: transformers' own modules serve them
+        kwargs = replace_.get("kwargs") or {}
+        match = str(((rule or {}).get("match") or {}).get("name") or ".")
+        if str(kwargs.get("generate_device", "cpu")).startswith("cuda"):
+            placement.append({"match": match, "device": "gpu"})
             continue
-        kwargs = replace.get("kwargs") or {}
-        method = str(kwargs.get("backend") or kwargs.get("generate_op") or "")
-        key = method.lower().replace("_", "").replace("experts", "").replace("kexperts", "")
-        for legacy, target in LEGACY_BACKENDS.items():
-            if legacy in key:
-                backends.add(target)
-                break
-        else:
-            raise ConfigError(f"{where}: kt_optimize_rule {str(path)!r}: unknown expert backend {method!r} in class "
-                              f"{cls!r}; use one of AMXInt8, AMXBF16, llamafile")
-    if len(backends) > 1:
-        raise ConfigError(f"{where}: kt_optimize_rule {str(path)!r} mixes expert backends {sorted(backends)}; "
-                          "per-layer backends are not supported yet, pick one")
-    if not backends:
+        backend, fmt = _legacy_backend(kwargs, cls, path, where)
+        backends.add((backend, fmt))
+        placement.append({"match": match, "backend": backend})
+    if not placement:
         return {}
-    backend, fmt = backends.pop()
-    notes.append(f"kt_optimize_rule {path.name} -> kt_config.kt_backend={backend}, kt_expert_weight_format={fmt}")
-    return {"kt_backend": backend, "kt_expert_weight_format": fmt}
+    out = {"kt_placement": placement}
+    if len(backends) == 1:
+        backend, fmt = next(iter(backends))
+        out.update(kt_backend=backend, kt_expert_weight_format=fmt)
+        notes.append(f"kt_optimize_rule {path.name} -> kt_config.kt_backend={backend}, kt_expert_weight_format={fmt}")
+    notes.append(f"kt_optimize_rule {path.name} -> kt_config.kt_placement with {len(placement)} rule(s)")
+    return out
 
 
 def translate_legacy(data: dict, where: str, base_dir: Path) -> tuple[dict, list[str]]:

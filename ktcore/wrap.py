@@ -17,6 +17,7 @@ from .config import KTConfig, as_kt_config
 from .dense import PROJECTIONS, OffloadedMLP, dense_weights
 from .experts import ActivationBudget, ExpertLayer, ExpertWeights
 from .lora import expert_lora_of
+from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
 from .plugins import get_registry
 from .specs import ArchSpec
@@ -27,12 +28,20 @@ _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorc
                    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
 
 
+GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for layers placed on the GPU
+
+
 def ktcore_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The experts forward transformers calls for ``experts_implementation="ktcore"``."""
     layer: Optional[ExpertLayer] = self.__dict__.get("_ktcore_layer")
     if layer is None:
-        raise RuntimeError(f"{type(self).__name__} runs with experts_implementation='ktcore' but its experts were "
-                           "never moved into a backend; build the model with ktcore.load_model or ktcore.wrap_model")
+        if is_placeholder(self.gate_up_proj):
+            raise RuntimeError(f"{type(self).__name__}: experts were never moved into a backend; build the model "
+                               "with ktcore.load_model or ktcore.wrap_model")
+        # a layer placed on the GPU (kt_placement): its real weights run through transformers' own kernels
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        return ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION](self, hidden_states, top_k_index, top_k_weights)
     return layer(hidden_states, top_k_index, top_k_weights, expert_lora_of(self))
 
 
@@ -47,9 +56,10 @@ class WrapInfo:
     """What ktcore did to a model (``model.ktcore``)."""
 
     arch: ArchSpec
-    backend: object
+    backend: object  # the default backend (kt_backend)
     config: KTConfig
-    layers: dict  # experts module name -> ExpertLayer
+    layers: dict  # experts module name -> ExpertLayer (layers on a CPU backend)
+    on_gpu: tuple = ()  # experts module names kept on the model's device by kt_placement
 
     @property
     def packed_bytes(self) -> int:
@@ -155,24 +165,60 @@ def prepare(model, config, need_backward: bool = True):
     return kt, arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
+def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True) -> dict:
+    """experts module name -> the backend computing it, or None for a layer kept on the model's device."""
+    from .select import get_backend
+
+    rules = parse_rules(kt.kt_placement, "kt_config")
+    backends = {kt.kt_backend: default_backend}
+    plan = {}
+    for _, name, _ in modules:
+        rule = place(name, rules, kt.kt_backend)
+        if rule.device == "gpu":
+            plan[name] = None
+            continue
+        if rule.backend not in backends:
+            backends[rule.backend] = get_backend(rule.backend, kt, need_backward=need_backward,
+                                                 need_lora=need_backward)
+        plan[name] = backends[rule.backend]
+    return plan
+
+
+def install_resident(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device) -> None:
+    """Give a layer placed on the GPU its real weights (transformers' own module computes it)."""
+    if arch.dense_mlp:
+        for part, value in zip(PROJECTIONS, (weights.gate, weights.up, weights.down)):
+            getattr(module, part).weight = torch.nn.Parameter(value[0].to(device, dtype), requires_grad=False)
+        return
+    if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
+        raise ValueError(f"{name}: GPU placement of transposed or interleaved experts is not supported yet")
+    gate_up = torch.cat([weights.gate, weights.up], dim=1)
+    module.gate_up_proj = torch.nn.Parameter(gate_up.to(device, dtype), requires_grad=False)
+    module.down_proj = torch.nn.Parameter(weights.down.to(device, dtype), requires_grad=False)
+
+
 def finish(model, kt, arch, backend, layers) -> None:
     if not arch.dense_mlp:  # dense MLPs were replaced by OffloadedMLP; MoE experts dispatch through HF
         register_experts_implementation()
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers)
+    on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers)
+    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
 
 
 def wrap_model(model, config=None, need_backward: bool = True):
     """Move the routed experts of a loaded HF model into the CPU backend, in place; returns the model."""
     kt, arch, backend, budget, modules = prepare(model, config, need_backward)
     act = activation_name(model.config)
+    plan = plan_placement(modules, kt, backend, need_backward)
     layers = {}
     for _, name, module in modules:
         if is_wrapped(module):
             raise ValueError(f"{name} is already wrapped by ktcore")
+        if plan[name] is None:
+            continue  # kt_placement keeps this layer as it is, on the model's device
         dtype, device = weight_dtype_device(module, arch)
-        packed = backend.pack(module_weights(module, arch), activation=act)
-        layers[name] = ExpertLayer(backend, packed, budget, kt.kt_cpu_activation, name)
+        packed = plan[name].pack(module_weights(module, arch), activation=act)
+        layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
         install_layer(model, name, module, layers[name], arch, dtype, device)
     finish(model, kt, arch, backend, layers)
     return model

@@ -238,3 +238,25 @@ def test_upcycled_tiny_llama_equals_dense(arch):
         assert relative_error(ours(ids, attention_mask=mask).logits, want) <= 1e-5
     with pytest.raises(ValueError, match="upcycle supports"):
         upcycle(dense, "deepseek_v3", 4, 2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
+def test_placement_rules_keep_some_layers_on_the_model_device(family):
+    """kt_placement: the first MoE layer stays a plain transformers module, the other goes to a backend."""
+    first, second = MOE_LAYERS[family]
+    plain = tiny_model(family, seed=9)
+    kt = {"kt_backend": "torch", "kt_placement": [{"match": rf"^model\.layers\.{first}\.", "device": "gpu"},
+                                                  {"match": ".", "backend": "torch"}]}
+    ours = ktcore.wrap_model(copy.deepcopy(plain), kt)
+    suffix = "" if family == "llama" else ".experts"
+    assert ours.ktcore.on_gpu == (f"model.layers.{first}.mlp{suffix}",)
+    assert sorted(ours.ktcore.layers) == [f"model.layers.{second}.mlp{suffix}"]
+    assert_equivalent(plain, ours, seed=9)
+
+
+def test_placement_with_an_unknown_backend_names_the_choices():
+    from ktcore.plugins import UnknownPluginError
+
+    with pytest.raises(UnknownPluginError, match="Choose one of: .*torch"):
+        ktcore.wrap_model(tiny_model("mixtral"), {"kt_backend": "torch",
+                                                  "kt_placement": [{"match": "layers.1", "backend": "nope"}]})

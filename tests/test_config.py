@@ -356,11 +356,15 @@ def test_legacy_rule_file_missing_or_invalid(tmp_path):
     assert "\n" not in str(info.value)
 
 
-def test_legacy_rule_mixing_backends_is_an_error(tmp_path):
-    mixed = RULE_TEMPLATE.replace("{backend}", "AMXInt8") + RULE_TEMPLATE.replace("{backend}", "llamafile")
+def test_legacy_rules_become_per_layer_placement(tmp_path):
+    gpu_rule = RULE_TEMPLATE.replace("{backend}", "AMXInt8").replace('generate_device: "cpu"', 'generate_device: "cuda"')
+    mixed = gpu_rule + RULE_TEMPLATE.replace("{backend}", "AMXBF16") + RULE_TEMPLATE.replace("{backend}", "llamafile")
     write(tmp_path, mixed, "mixed.yaml")
-    with pytest.raises(ConfigError, match="mixes expert backends"):
-        load_config(write(tmp_path, legacy_yaml("mixed.yaml")))
+    cfg = load_config(write(tmp_path, legacy_yaml("mixed.yaml")), quiet=True)
+    rules = cfg.kt.kt_placement
+    assert [r.get("device", "cpu") for r in rules] == ["gpu", "cpu", "cpu"]
+    assert [r.get("backend") for r in rules] == [None, "amx_bf16", "llamafile"]
+    assert cfg.kt.kt_backend == "auto"  # two CPU backends: no single default to take
 
 
 def test_legacy_rule_without_experts_changes_no_backend(tmp_path):
