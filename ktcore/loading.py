@@ -95,23 +95,98 @@ class ExpertSource:
         return ExpertWeights(out["gate"], out["up"], out["down"])
 
 
-def _materialise_buffers(model, ckpt, names, device) -> None:
+class SafetensorsWeights:
+    """The tensors of a safetensors checkpoint under the model's names (after the architecture's renames)."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, arch):
+        self.ckpt, self.arch = ckpt, arch
+        self.names = checkpoint_names(ckpt, arch)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def describe(self, name: str) -> str:
+        return ""
+
+    def expect(self, name: str, shape: tuple) -> None:
+        self.ckpt.expect(self.names[name], shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(self.names[name])
+
+    def experts(self, layer: int, module) -> ExpertSource:
+        return ExpertSource(self.ckpt, self.arch, layer, module)
+
+
+def _materialise_buffers(model, weights, device) -> None:
     persistent = set(model.state_dict(keep_vars=True).keys())
     for name, buf in list(model.named_buffers()):
-        if name in names:
-            _set_tensor(model, name, ckpt.get(names[name]).to(device), False)
+        if name in weights:
+            _set_tensor(model, name, weights.get(name).to(device), False)
         elif buf.is_meta:
             _set_tensor(model, name, torch.empty_like(buf, device=device), False)
             if name not in persistent:  # computed buffers (rotary inv_freq): the model fills them
                 model._init_weights(model.get_submodule(name.rpartition(".")[0]))
 
 
+def fill_model(model, config, open_weights, *, path, dtype, device, need_backward: bool = True,
+               progress: bool = True):
+    """Populate a model built on the meta device: validate every tensor ``open_weights(model, arch)`` offers
+    first, then non-experts onto ``device`` and routed experts layer by layer into the backend."""
+    hf_config = model.config
+    kt, arch, backend, budget, modules = prepare(model, config, need_backward)
+    act = activation_name(model.config)
+    expert_prefixes = tuple(name + "." for _, name, _ in modules)
+    weights = open_weights(model, arch)
+
+    # 1. validate everything against the headers before loading a byte
+    params = [(n, p) for n, p in model.named_parameters() if not n.startswith(expert_prefixes)]
+    tied = set(getattr(model, "_tied_weights_keys", None) or {}) \
+        if hf_config.get_text_config().tie_word_embeddings else set()
+    for name, p in params:
+        if name in weights:
+            weights.expect(name, tuple(p.shape))
+        elif name not in tied:
+            raise CheckpointError(f"{path}: tensor {name!r}{weights.describe(name)} is missing from the checkpoint")
+    sources = {name: weights.experts(layer, module) for layer, name, module in modules}
+
+    # 2. non-expert weights onto the device
+    for name, p in params:
+        if name in weights:
+            value = weights.get(name).reshape(p.shape)
+            _set_tensor(model, name, value.to(device, dtype if value.is_floating_point() else value.dtype), True)
+    _materialise_buffers(model, weights, device)
+    if tied:
+        model.tie_weights()
+
+    # 3. routed experts, one layer at a time, straight into the backend
+    layers = {}
+    for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
+        expert_weights = sources[name].read(dtype)
+        packed = backend.pack(expert_weights, activation=act)
+        del expert_weights
+        layers[name] = ExpertLayer(backend, packed, budget, kt.kt_cpu_activation, name)
+        install_layer(model, name, module, layers[name], arch, dtype, device)
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"{path}: no weights for {', '.join(leftover[:5])}; the checkpoint does not match "
+                              "its config")
+    finish(model, kt, arch, backend, layers)
+    return model
+
+
 def load_model(path, config=None, *, device=None, dtype=None, need_backward: bool = True,
                progress: bool = True):
-    """Load the HF model in ``path`` with routed experts in the backend chosen by ``config``."""
+    """Load the HF model in ``path`` (a directory saved by save_pretrained, or a ``.gguf`` file) with routed
+    experts in the backend chosen by ``config``."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        from .gguf_loading import load_gguf_model
+
+        return load_gguf_model(path, config, device=device, dtype=dtype, need_backward=need_backward,
+                               progress=progress)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; pass a model directory saved by save_pretrained")
     hf_config = AutoConfig.from_pretrained(path)
@@ -126,44 +201,8 @@ def load_model(path, config=None, *, device=None, dtype=None, need_backward: boo
     with SafetensorsCheckpoint(path, fp8_block) as ckpt:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        kt, arch, backend, budget, modules = prepare(model, config, need_backward)
-        act = activation_name(model.config)
-        expert_prefixes = tuple(name + "." for _, name, _ in modules)
-        names = checkpoint_names(ckpt, arch)
-
-        # 1. validate everything against the headers before loading a byte
-        params = [(n, p) for n, p in model.named_parameters() if not n.startswith(expert_prefixes)]
-        tied = set(getattr(model, "_tied_weights_keys", None) or {}) \
-            if hf_config.get_text_config().tie_word_embeddings else set()
-        for name, p in params:
-            if name in names:
-                ckpt.expect(names[name], tuple(p.shape))
-            elif name not in tied:
-                raise CheckpointError(f"{path}: tensor {name!r} is missing from the checkpoint")
-        sources = {name: ExpertSource(ckpt, arch, layer, module) for layer, name, module in modules}
-
-        # 2. non-expert weights onto the device
-        for name, _ in params:
-            if name in names:
-                value = ckpt.get(names[name])
-                _set_tensor(model, name, value.to(device, dtype if value.is_floating_point() else value.dtype), True)
-        _materialise_buffers(model, ckpt, names, device)
-        if tied:
-            model.tie_weights()
-
-        # 3. routed experts, one layer at a time, straight into the backend
-        layers = {}
-        for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
-            weights = sources[name].read(dtype)
-            packed = backend.pack(weights, activation=act)
-            del weights
-            layers[name] = ExpertLayer(backend, packed, budget, kt.kt_cpu_activation, name)
-            install_layer(model, name, module, layers[name], arch, dtype, device)
-    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftover:
-        raise CheckpointError(f"{path}: no weights for {', '.join(leftover[:5])}; the checkpoint does not match "
-                              "config.json")
-    finish(model, kt, arch, backend, layers)
+        fill_model(model, config, lambda _model, arch: SafetensorsWeights(ckpt, arch), path=path, dtype=dtype,
+                   device=device, need_backward=need_backward, progress=progress)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
