@@ -10,6 +10,7 @@ LoRA is applied in fp32 with small per-expert torch matmuls between the C++ phas
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,7 +65,10 @@ class _Route:
     order: torch.Tensor  # int64 [R]: flat slot index of each row
     w_flat: torch.Tensor  # fp32 [T*K]
     w_row: torch.Tensor  # fp32 [R]
-    counts: list  # rows per expert (python ints)
+
+    @property
+    def counts(self) -> list:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
 
 
 @dataclass
@@ -75,6 +79,28 @@ class AMXSaved:
     u: torch.Tensor  # fp32 [R, I]
     h: torch.Tensor  # bf16 [R+slack, Ip]  silu(g) * u as the down projection saw it
     w_dtype: torch.dtype
+
+
+def _ld(n: int) -> int:
+    """Row stride (elements) for a bf16 buffer of n columns: avoid multiples of 2 KiB so the 16 rows of a tile
+    load do not all fall into the same L1 cache set."""
+    return n + 32 if (2 * n) % 2048 == 0 else n
+
+
+class _Prof:
+    """KTCORE_AMX_BF16_PROFILE=1: accumulate wall time per phase (read .times)."""
+
+    on = bool(os.environ.get("KTCORE_AMX_BF16_PROFILE"))
+    times: dict = {}
+
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def __call__(self, name):
+        if self.on:
+            now = time.perf_counter()
+            _Prof.times[name] = _Prof.times.get(name, 0.0) + now - self.t
+            self.t = now
 
 
 def _addr(t: Optional[torch.Tensor]) -> int:
@@ -133,35 +159,37 @@ class AMXBF16Backend(ExpertBackendBase):
                          e, h, i, activation)
 
     # -- routing -------------------------------------------------------------------------------------------
-    @staticmethod
-    def _route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> _Route:
+    def _route(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> _Route:
+        # counting sort in C++: no torch kernels here, so torch's own CPU threads stay asleep
         T, K = topk_ids.shape
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        valid = (flat >= 0) & (flat < num_experts)
-        key = torch.where(valid, flat, torch.full_like(flat, num_experts))
-        order = torch.argsort(key, stable=True)
-        counts_all = torch.bincount(key, minlength=num_experts + 1)
-        counts = counts_all[:num_experts]
-        R = int(counts.sum())
-        order = order[:R].contiguous()
-        offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(counts, 0)
-        row_tok = torch.div(order, K, rounding_mode="floor").to(torch.int32)
-        row_of = torch.full((T * K,), -1, dtype=torch.int32)
-        row_of[order] = torch.arange(R, dtype=torch.int32)
-        w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        return _Route(T, K, R, offsets, row_tok.contiguous(), row_of, order, w_flat, w_flat[order].contiguous(),
-                      counts.tolist())
+        n = T * K
+        ids = topk_ids.to(torch.int64).contiguous()
+        w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
+        offsets = torch.empty(num_experts + 1, dtype=torch.int64)
+        row_tok = torch.empty(n, dtype=torch.int32)
+        row_of = torch.empty(n, dtype=torch.int32)
+        order = torch.empty(n, dtype=torch.int64)
+        w_row = torch.empty(n, dtype=torch.float32)
+        R = self._engine.route(ids.data_ptr(), T, K, num_experts, w_flat.data_ptr(), offsets.data_ptr(),
+                               row_tok.data_ptr(), row_of.data_ptr(), order.data_ptr(), w_row.data_ptr())
+        return _Route(T, K, R, offsets, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
 
     def _gather(self, src: torch.Tensor, route: _Route, hp: int) -> torch.Tensor:
         if src.dtype not in (torch.float32, torch.bfloat16):
             src = src.float()
         src = src.contiguous()
-        out = torch.empty(route.R + _SLACK, hp, dtype=torch.bfloat16)
-        out[route.R:].zero_()
+        ld = _ld(hp)
+        out = torch.empty(route.R + _SLACK, ld, dtype=torch.bfloat16)
+        self._zero_rows(out, route.R)
         self._engine.gather(src.data_ptr(), src.dtype == torch.bfloat16, src.shape[1], src.shape[1], hp,
-                            route.row_tok.data_ptr(), route.R, out.data_ptr())
+                            route.row_tok.data_ptr(), route.R, out.data_ptr(), ld)
         return out
+
+    def _zero_rows(self, buf: torch.Tensor, start: int) -> None:
+        # plain memset in C++: a torch fill of this size would wake torch's OpenMP threads, whose spinning
+        # then competes with this backend's own threads for the cores
+        row = buf.stride(0) * buf.element_size()
+        self._engine.memzero(buf.data_ptr() + start * row, (buf.shape[0] - start) * row)
 
     @staticmethod
     def _segments(route: _Route):
@@ -179,20 +207,25 @@ class AMXBF16Backend(ExpertBackendBase):
         eng = self._engine
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         hp, ip = packed.hidden_padded, packed.inter_padded
+        prof = _Prof()
         route = self._route(topk_ids, topk_weights, E)
         R = route.R
+        prof("fwd.route")
         lora_gu = lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None
         lora_dn = lora is not None and lora.down_a is not None and lora.down_b is not None
 
         xs = self._gather(x, route, hp)
-        h = torch.empty(R + _SLACK, ip, dtype=torch.bfloat16)
-        h[R:].zero_()
+        prof("fwd.gather")
+        ldh = _ld(ip)
+        h = torch.empty(R + _SLACK, ldh, dtype=torch.bfloat16)
+        self._zero_rows(h, R)
         keep_gu = save or lora_gu
         g = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
         u = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
         off = route.offsets
         eng.gate_up(xs.data_ptr(), off.data_ptr(), packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I,
-                    h.data_ptr(), _addr(g), _addr(u), not lora_gu)
+                    h.data_ptr(), _addr(g), _addr(u), not lora_gu, xs.shape[1], ldh)
+        prof("fwd.gate_up")
         if lora_gu:
             a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
             xf = x.float()
@@ -201,9 +234,10 @@ class AMXBF16Backend(ExpertBackendBase):
                 delta = (xe @ a[e].float().T) @ b[e].float().T
                 g[r0:r1].add_(delta[:, :I], alpha=s)
                 u[r0:r1].add_(delta[:, I:], alpha=s)
-            eng.silu_mul(g.data_ptr(), u.data_ptr(), R, I, ip, h.data_ptr())
+            eng.silu_mul(g.data_ptr(), u.data_ptr(), R, I, ip, h.data_ptr(), ldh)
         parts = torch.empty(eng.num_pools, R, H, dtype=torch.float32)
-        eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr())
+        eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr(), ldh)
+        prof("fwd.down")
         if lora_dn:
             a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
             for e, r0, r1 in self._segments(route):
@@ -213,6 +247,7 @@ class AMXBF16Backend(ExpertBackendBase):
         y = torch.empty(route.T, H, dtype=out_dtype)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
                     route.T, route.K, y.data_ptr(), out_dtype == torch.bfloat16)
+        prof("fwd.combine")
         if out_dtype != x.dtype:
             y = y.to(x.dtype)
         ctx = AMXSaved(x, route, g, u, h, topk_weights.dtype) if save else None
@@ -232,9 +267,12 @@ class AMXBF16Backend(ExpertBackendBase):
         lora_dn = lora is not None and lora.down_a is not None and lora.down_b is not None
         grads = ExpertLoRAGrads()
 
+        prof = _Prof()
         gys = self._gather(grad_y, route, hp)
+        prof("bwd.gather")
         gh = torch.empty(R, I, dtype=torch.float32)
-        eng.bwd_down(gys.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, gh.data_ptr())
+        eng.bwd_down(gys.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, gh.data_ptr(), gys.shape[1])
+        prof("bwd.down")
         if lora_dn:
             a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
             da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
@@ -250,16 +288,20 @@ class AMXBF16Backend(ExpertBackendBase):
                 db[e] = s * ((we * ge).T @ (he @ ae.T))
             grads.down_a, grads.down_b = da.to(a.dtype), db.to(b.dtype)
 
-        ggu = torch.empty(R + _SLACK, 2 * ip, dtype=torch.bfloat16)
-        ggu[R:].zero_()
+        ldg = _ld(2 * ip)
+        ggu = torch.empty(R + _SLACK, ldg, dtype=torch.bfloat16)
+        self._zero_rows(ggu, R)
         ggu32 = torch.empty(R, 2 * I, dtype=torch.float32) if lora_gu else None
-        gw_row = torch.empty(R, dtype=torch.float32)
+        grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
+        eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
         eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(), R, I,
-                    ggu.data_ptr(), _addr(ggu32), gw_row.data_ptr())
+                    ggu.data_ptr(), _addr(ggu32), grad_w.data_ptr(), ctx.h.shape[1], ldg, route.order.data_ptr())
+        prof("bwd.act")
         del gh
         parts = torch.empty(eng.num_pools, R, H, dtype=torch.float32)
         eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I,
-                        parts.data_ptr())
+                        parts.data_ptr(), ldg)
+        prof("bwd.gate_up")
         if lora_gu:
             a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
             da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
@@ -277,7 +319,6 @@ class AMXBF16Backend(ExpertBackendBase):
         grad_x = torch.empty(T, H, dtype=gx_dtype)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),
                     gx_dtype == torch.bfloat16)
-        grad_w = torch.zeros(T * K, dtype=torch.float32)
-        grad_w[route.order] = gw_row
+        prof("bwd.combine")
         grad_w = grad_w.view(T, K).to(ctx.w_dtype)
         return grad_x.to(grad_y.dtype), grad_w, grads

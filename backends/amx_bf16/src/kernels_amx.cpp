@@ -30,9 +30,10 @@ static void gemm_small(const uint16_t* A, int64_t lda, const uint16_t* B0, const
   for (int64_t k = 0; k < kb; ++k) {
     const uint16_t* b0 = B0 + k * kBlockElems;
     const uint16_t* b1 = B1 + k * kBlockElems;
-    _mm_prefetch(reinterpret_cast<const char*>(b0 + 4 * kBlockElems), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b1 + 4 * kBlockElems), _MM_HINT_T0);
     for (int kp = 0; kp < 16; ++kp) {
+      // one cache line of each stream's block 4 ahead per step: the whole block is fetched in time
+      _mm_prefetch(reinterpret_cast<const char*>(b0 + 4 * kBlockElems + kp * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b1 + 4 * kBlockElems + kp * 32), _MM_HINT_T0);
       __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kp * 32);
       __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kp * 32);
       for (int r = 0; r < M; ++r) {
@@ -50,6 +51,17 @@ static void gemm_small(const uint16_t* A, int64_t lda, const uint16_t* B0, const
   }
 }
 
+// software prefetch of block k of both weight streams (16 lines each); weights usually come from DRAM
+static inline void prefetch_blocks(const uint16_t* B0, const uint16_t* B1, int64_t k, int64_t kb) {
+  if (k >= kb) return;
+  const char* p0 = reinterpret_cast<const char*>(B0 + k * kBlockElems);
+  const char* p1 = reinterpret_cast<const char*>(B1 + k * kBlockElems);
+  for (int l = 0; l < 1024; l += 64) {
+    _mm_prefetch(p0 + l, _MM_HINT_T0);
+    _mm_prefetch(p1 + l, _MM_HINT_T0);
+  }
+}
+
 static void gemm_block(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, const uint16_t* B1,
                        int64_t kb, float* C, int64_t ldc, int acc) {
   if (m <= 0) return;
@@ -63,43 +75,53 @@ static void gemm_block(const uint16_t* A, int64_t lda, int64_t m, const uint16_t
   }
   ensure_tile_config();
   const int64_t sa = lda * 2, sc = ldc * 4;
-  for (int64_t m0 = 0; m0 < m; m0 += 32) {
-    const uint16_t* a0 = A + m0 * lda;
-    float* c = C + m0 * ldc;
-    if (m - m0 > 16) {
-      const uint16_t* a1 = a0 + 16 * lda;
-      if (acc) {
-        _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
-        _tile_loadd(2, c + 16 * ldc, sc); _tile_loadd(3, c + 16 * ldc + 16, sc);
+  // K is walked in chunks of kKC blocks; within a chunk every 32-row group reuses the same B blocks
+  // (2 x kKC KB), which stay in L1, while C goes through the (L1/L2-resident) C buffer between chunks.
+  constexpr int64_t kKC = 8;
+  for (int64_t k0 = 0; k0 < kb; k0 += kKC) {
+    const int64_t k1 = k0 + kKC < kb ? k0 + kKC : kb;
+    const bool fresh = k0 == 0 && !acc;
+    for (int64_t m0 = 0; m0 < m; m0 += 32) {
+      const uint16_t* a0 = A + m0 * lda;
+      float* c = C + m0 * ldc;
+      const bool pf = m0 == 0;  // first pass over this chunk: fetch the next chunk's B blocks meanwhile
+      if (m - m0 > 16) {
+        const uint16_t* a1 = a0 + 16 * lda;
+        if (fresh) {
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        } else {
+          _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
+          _tile_loadd(2, c + 16 * ldc, sc); _tile_loadd(3, c + 16 * ldc + 16, sc);
+        }
+        for (int64_t k = k0; k < k1; ++k) {
+          if (pf) prefetch_blocks(B0, B1, k + kKC, kb);
+          _tile_loadd(4, a0 + k * 32, sa);
+          _tile_loadd(6, B0 + k * kBlockElems, 64);
+          _tile_loadd(7, B1 + k * kBlockElems, 64);
+          _tile_loadd(5, a1 + k * 32, sa);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
+        _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
       } else {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        if (fresh) {
+          _tile_zero(0); _tile_zero(1);
+        } else {
+          _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
+        }
+        for (int64_t k = k0; k < k1; ++k) {
+          if (pf) prefetch_blocks(B0, B1, k + kKC, kb);
+          _tile_loadd(4, a0 + k * 32, sa);
+          _tile_loadd(6, B0 + k * kBlockElems, 64);
+          _tile_loadd(7, B1 + k * kBlockElems, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
       }
-      for (int64_t k = 0; k < kb; ++k) {
-        _tile_loadd(6, B0 + k * kBlockElems, 64);
-        _tile_loadd(4, a0 + k * 32, sa);
-        _tile_loadd(7, B1 + k * kBlockElems, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(5, a1 + k * 32, sa);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
-      _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
-    } else {
-      if (acc) {
-        _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
-      } else {
-        _tile_zero(0); _tile_zero(1);
-      }
-      for (int64_t k = 0; k < kb; ++k) {
-        _tile_loadd(4, a0 + k * 32, sa);
-        _tile_loadd(6, B0 + k * kBlockElems, 64);
-        _tile_loadd(7, B1 + k * kBlockElems, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
     }
   }
 }

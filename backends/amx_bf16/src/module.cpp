@@ -75,9 +75,14 @@ struct Dims {
 
 struct Task {
   int32_t e, unit;
+  int64_t r0, r1;  // rows [r0, r1) of expert e's rows
 };
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert computed per inner step (C scratch 32 KB)
+// Rows of one expert per task: a thread runs consecutive output blocks on the same rows, so those rows stay
+// in its L2 (256 rows x 2048 x 2 B = 1 MB). Backward tasks take more rows: each derives transposed tiles.
+constexpr int64_t kFwdTaskRows = 256;
+constexpr int64_t kBwdTaskRows = 1024;
 
 class Engine {
  public:
@@ -121,17 +126,49 @@ class Engine {
     });
   }
 
+  // -- routing: stable counting sort of the (token, slot) pairs by expert ------------------------------------
+  // ids int64 [T*K], w fp32 [T*K]. Outputs: offsets [E+1]; for each row r (expert-major, then slot order):
+  // row_tok[r] (token), order[r] (flat slot), w_row[r]; row_of[slot] = row or -1 (no expert). Returns R.
+  int64_t route(uintptr_t ids_, int64_t T, int64_t Kk, int64_t E, uintptr_t w_, uintptr_t off_, uintptr_t row_tok_,
+                uintptr_t row_of_, uintptr_t order_, uintptr_t w_row_) {
+    const int64_t* ids = P<const int64_t>(ids_);
+    const float* w = P<const float>(w_);
+    int64_t* off = P<int64_t>(off_);
+    int32_t *row_tok = P<int32_t>(row_tok_), *row_of = P<int32_t>(row_of_);
+    int64_t* order = P<int64_t>(order_);
+    float* w_row = P<float>(w_row_);
+    const int64_t n = T * Kk;
+    std::fill(off, off + E + 1, 0);
+    for (int64_t i = 0; i < n; ++i)
+      if (ids[i] >= 0 && ids[i] < E) ++off[ids[i] + 1];
+    for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+    std::vector<int64_t> next(off, off + E);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t e = ids[i];
+      if (e < 0 || e >= E) {
+        row_of[i] = -1;
+        continue;
+      }
+      const int64_t r = next[e]++;
+      row_of[i] = static_cast<int32_t>(r);
+      row_tok[r] = static_cast<int32_t>(i / Kk);
+      order[r] = i;
+      w_row[r] = w[i];
+    }
+    return off[E];
+  }
+
   // -- row movement ------------------------------------------------------------------------------------
   // dst[r, 0:Hp] = bf16(src[tok[r], 0:H]) (zero padded)
   void gather(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t H, int64_t Hp, uintptr_t tok_,
-              int64_t R, uintptr_t dst_) {
+              int64_t R, uintptr_t dst_, int64_t ldd) {
     const int32_t* tok = P<const int32_t>(tok_);
     uint16_t* dst = P<uint16_t>(dst_);
     const int64_t es = src_bf16 ? 2 : 4;
     pools_[0]->parallel_for(R, [&](int64_t b, int64_t e, int) {
       for (int64_t r = b; r < e; ++r)
         K_->row_to_bf16(reinterpret_cast<const char*>(src) + tok[r] * src_stride * es, src_bf16, H, Hp,
-                        dst + r * Hp);
+                        dst + r * ldd);
     }, 16);
   }
 
@@ -163,14 +200,14 @@ class Engine {
   }
 
   // h[r] = bf16(silu(g[r]) * u[r]) (used when LoRA changed g/u after the GEMM)
-  void silu_mul(uintptr_t g_, uintptr_t u_, int64_t R, int64_t I, int64_t Ip, uintptr_t h_) {
+  void silu_mul(uintptr_t g_, uintptr_t u_, int64_t R, int64_t I, int64_t Ip, uintptr_t h_, int64_t ldh) {
     const float* g = P<const float>(g_);
     const float* u = P<const float>(u_);
     uint16_t* h = P<uint16_t>(h_);
     pools_[0]->parallel_for(R, [&](int64_t b, int64_t e, int) {
       for (int64_t r = b; r < e; ++r) {
-        K_->silu_mul(g + r * I, u + r * I, I, h + r * Ip);
-        std::fill(h + r * Ip + I, h + (r + 1) * Ip, 0);
+        K_->silu_mul(g + r * I, u + r * I, I, h + r * ldh);
+        std::fill(h + r * ldh + I, h + r * ldh + Ip, 0);
       }
     }, 16);
   }
@@ -178,7 +215,7 @@ class Engine {
   // -- forward GEMMs -------------------------------------------------------------------------------------
   // gate and up in one pass; fused: also h = silu(g) * u. g/u (fp32 [R, I]) saved when their address != 0.
   void gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I,
-               uintptr_t h_, uintptr_t g_, uintptr_t u_, bool fused) {
+               uintptr_t h_, uintptr_t g_, uintptr_t u_, bool fused, int64_t ldx, int64_t ldh) {
     Dims d(E, H, I);
     const uint16_t* xs = P<const uint16_t>(xs_);
     const int64_t* off = P<const int64_t>(off_);
@@ -188,28 +225,29 @@ class Engine {
     // each pool owns a slice of I (in 32-column units, so that down's K split matches)
     run_split(off, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
       const int64_t nb = t.unit;  // unit = one 16-column block of gate and of up
-      const int64_t row0 = off[t.e], m = off[t.e + 1] - row0;
+      const int64_t row0 = t.r0, m = t.r1 - t.r0;
       float* C = scratch_c(pool, tid);
       const int64_t ncol = std::min<int64_t>(16, I - nb * 16);
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         int64_t mm = std::min(kRowChunk, m - m0);
-        K_->gemm_block(xs + (row0 + m0) * d.Hp, d.Hp, mm, d.gu_block(gate, t.e, nb, 0), d.gu_block(up, t.e, nb, 0),
+        K_->gemm_block(xs + (row0 + m0) * ldx, ldx, mm, d.gu_block(gate, t.e, nb, 0), d.gu_block(up, t.e, nb, 0),
                        d.gu_kb(), C, 32, 0);
         for (int64_t r = 0; r < mm; ++r) {
           const int64_t row = row0 + m0 + r;
           const float* c = C + r * 32;
-          if (fused) K_->silu_mul(c, c + 16, 16, h + row * d.Ip + nb * 16);
+          if (fused) K_->silu_mul(c, c + 16, 16, h + row * ldh + nb * 16);
           if (g && ncol > 0) {
             std::memcpy(g + row * I + nb * 16, c, ncol * 4);
             std::memcpy(u + row * I + nb * 16, c + 16, ncol * 4);
           }
         }
       }
-    }, /*units_per_split_unit=*/2);
+    }, /*units_per_split_unit=*/2, 0, kFwdTaskRows);
   }
 
   // parts[p, r, 0:H] = h[r] @ down_e^T restricted to pool p's slice of I
-  void down(uintptr_t h_, uintptr_t off_, uintptr_t down_, int64_t E, int64_t H, int64_t I, uintptr_t parts_) {
+  void down(uintptr_t h_, uintptr_t off_, uintptr_t down_, int64_t E, int64_t H, int64_t I, uintptr_t parts_,
+            int64_t ldh) {
     Dims d(E, H, I);
     const uint16_t* h = P<const uint16_t>(h_);
     const int64_t* off = P<const int64_t>(off_);
@@ -218,7 +256,7 @@ class Engine {
     const int64_t R = off[E];
     run_split(off, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
       const int64_t np = t.unit;  // 32 output columns
-      const int64_t row0 = off[t.e], m = off[t.e + 1] - row0;
+      const int64_t row0 = t.r0, m = t.r1 - t.r0;
       float* C = scratch_c(pool, tid);
       float* out = parts + static_cast<int64_t>(pool) * R * H;
       const int64_t ncol = std::min<int64_t>(32, H - np * 32);
@@ -228,16 +266,17 @@ class Engine {
       }
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         int64_t mm = std::min(kRowChunk, m - m0);
-        K_->gemm_block(h + (row0 + m0) * d.Ip + kb0 * 32, d.Ip, mm, d.dn_block(dn, t.e, 2 * np, kb0),
+        K_->gemm_block(h + (row0 + m0) * ldh + kb0 * 32, ldh, mm, d.dn_block(dn, t.e, 2 * np, kb0),
                        d.dn_block(dn, t.e, 2 * np + 1, kb0), kb1 - kb0, C, 32, 0);
         for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, ncol * 4);
       }
-    }, 1, d.Ip / 32);
+    }, 1, d.Ip / 32, kFwdTaskRows);
   }
 
   // -- backward ------------------------------------------------------------------------------------------
   // gh[r, 0:I] = gys[r] @ down_e   (down^T tiles derived per task from the packed down: no resident copy)
-  void bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t down_, int64_t E, int64_t H, int64_t I, uintptr_t gh_) {
+  void bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t down_, int64_t E, int64_t H, int64_t I, uintptr_t gh_,
+                int64_t ldx) {
     Dims d(E, H, I);
     const uint16_t* gys = P<const uint16_t>(gys_);
     const int64_t* off = P<const int64_t>(off_);
@@ -246,7 +285,7 @@ class Engine {
     const int64_t nq = d.Hp / 32;
     run_split(off, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
       const int64_t p = t.unit;  // 32 columns of I = forward k-block p of down
-      const int64_t row0 = off[t.e], m = off[t.e + 1] - row0;
+      const int64_t row0 = t.r0, m = t.r1 - t.r0;
       uint16_t *s0, *s1;
       scratch_streams(pool, tid, nq, &s0, &s1);
       for (int64_t q = 0; q < nq; ++q)
@@ -256,15 +295,16 @@ class Engine {
       const int64_t ncol = std::min<int64_t>(32, I - p * 32);
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         int64_t mm = std::min(kRowChunk, m - m0);
-        K_->gemm_block(gys + (row0 + m0) * d.Hp, d.Hp, mm, s0, s1, nq, C, 32, 0);
+        K_->gemm_block(gys + (row0 + m0) * ldx, ldx, mm, s0, s1, nq, C, 32, 0);
         for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + r * 32, ncol * 4);
       }
-    }, 1);
+    }, 1, 0, kBwdTaskRows);
   }
 
   // per row: grad_w[r] = dot(gh[r], h[r]); ggu[r] = [dL/dg | dL/du] (bf16, Ip each); ggu32 fp32 [R, 2I] if set
   void bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, int64_t R, int64_t I,
-               uintptr_t ggu_, uintptr_t ggu32_, uintptr_t gradw_) {
+               uintptr_t ggu_, uintptr_t ggu32_, uintptr_t gradw_, int64_t ldh, int64_t ldg, uintptr_t order_) {
+    const int64_t* order = P<const int64_t>(order_);
     const int64_t Ip = rup(I, 32);
     const float *gh = P<const float>(gh_), *g = P<const float>(g_), *u = P<const float>(u_);
     const float* wrow = P<const float>(wrow_);
@@ -274,8 +314,8 @@ class Engine {
     float* gradw = P<float>(gradw_);
     pools_[0]->parallel_for(R, [&](int64_t b, int64_t e, int) {
       for (int64_t r = b; r < e; ++r) {
-        uint16_t* o = ggu + r * 2 * Ip;
-        gradw[r] = K_->silu_mul_bwd(gh + r * I, h + r * Ip, g + r * I, u + r * I, I, wrow[r], o, o + Ip,
+        uint16_t* o = ggu + r * ldg;
+        gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o, o + Ip,
                                     ggu32 ? ggu32 + r * 2 * I : nullptr, ggu32 ? ggu32 + r * 2 * I + I : nullptr);
         std::fill(o + I, o + Ip, 0);
         std::fill(o + Ip + I, o + 2 * Ip, 0);
@@ -285,7 +325,7 @@ class Engine {
 
   // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I
   void bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I,
-                   uintptr_t parts_) {
+                   uintptr_t parts_, int64_t ldg) {
     Dims d(E, H, I);
     const uint16_t* ggu = P<const uint16_t>(ggu_);
     const int64_t* off = P<const int64_t>(off_);
@@ -294,7 +334,7 @@ class Engine {
     const int64_t R = off[E];
     run_split(off, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
       const int64_t np = t.unit;  // 32 output columns of H = forward k-block np of gate/up
-      const int64_t row0 = off[t.e], m = off[t.e + 1] - row0;
+      const int64_t row0 = t.r0, m = t.r1 - t.r0;
       float* out = parts + static_cast<int64_t>(pool) * R * H;
       const int64_t ncol = std::min<int64_t>(32, H - np * 32);
       if (q1 <= q0) {
@@ -312,7 +352,7 @@ class Engine {
         }
       }
       float* C = scratch_c(pool, tid);
-      const int64_t lda = 2 * d.Ip;
+      const int64_t lda = ldg;
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         int64_t mm = std::min(kRowChunk, m - m0);
         const uint16_t* a = ggu + (row0 + m0) * lda;
@@ -320,7 +360,33 @@ class Engine {
         K_->gemm_block(a + d.Ip + q0 * 32, lda, mm, s0 + nq * kBlockElems, s1 + nq * kBlockElems, nq, C, 32, 1);
         for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, ncol * 4);
       }
-    }, 1, d.Ip / 32);
+    }, 1, d.Ip / 32, kBwdTaskRows);
+  }
+
+  // memset without waking torch's CPU threads
+  void memzero(uintptr_t p, int64_t nbytes) {
+    if (nbytes > 0) std::memset(P<char>(p), 0, nbytes);
+  }
+
+  // kernel micro-benchmark: every thread runs gemm_block on its own cache-resident A (m rows) and B (kb blocks)
+  double bench_gemm(int64_t m, int64_t kb, int64_t iters) {
+    ThreadPool& pool = *pools_[0];
+    const int n = pool.num_threads();
+    std::vector<double> secs(n, 0.0);
+    pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t lda = kb * 32 + 32;
+        std::vector<uint16_t> A((m + 32) * lda, 0x3f80), B(2 * kb * kBlockElems + 32, 0x3c00);
+        std::vector<float> C((m + 32) * 32);
+        K_->gemm_block(A.data(), lda, m, B.data(), B.data() + kb * kBlockElems, kb, C.data(), 32, 0);
+        auto t0 = std::chrono::steady_clock::now();
+        for (int64_t it = 0; it < iters; ++it)
+          K_->gemm_block(A.data(), lda, m, B.data(), B.data() + kb * kBlockElems, kb, C.data(), 32, 0);
+        secs[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+    });
+    double worst = *std::max_element(secs.begin(), secs.end());
+    return 2.0 * m * 32 * kb * 32 * iters * n / worst / 1e9;
   }
 
   // -- measurement ---------------------------------------------------------------------------------------
@@ -375,7 +441,7 @@ class Engine {
   // (each pool its own slice of I, in groups of units_per_split_unit); otherwise every pool runs every unit
   // over its own slice [k0, k1) of ksplit blocks (partial sums, one output part per pool).
   void run_split(const int64_t* off, int64_t E, int64_t nsplit, bool split_units, const TaskFn& fn,
-                 int64_t units_per_split_unit = 1, int64_t ksplit = 0) {
+                 int64_t units_per_split_unit = 1, int64_t ksplit = 0, int64_t task_rows = 0) {
     const int npools = num_pools();
     std::vector<std::vector<Task>> tasks(npools);
     std::vector<std::pair<int64_t, int64_t>> kr(npools);
@@ -388,8 +454,13 @@ class Engine {
         kr[p] = {ksplit * p / npools, ksplit * (p + 1) / npools};
       }
       for (int64_t e = 0; e < E; ++e) {
-        if (off[e + 1] == off[e]) continue;
-        for (int64_t u = u0; u < u1; ++u) tasks[p].push_back({static_cast<int32_t>(e), static_cast<int32_t>(u)});
+        const int64_t m = off[e + 1] - off[e];
+        if (m == 0) continue;
+        const int64_t step = task_rows > 0 ? task_rows : m;
+        for (int64_t r = 0; r < m; r += step)
+          for (int64_t u = u0; u < u1; ++u)
+            tasks[p].push_back({static_cast<int32_t>(e), static_cast<int32_t>(u), off[e] + r,
+                                off[e] + std::min(m, r + step)});
       }
     }
     std::vector<ThreadPool::Fn> fns(npools);
@@ -474,6 +545,7 @@ PYBIND11_MODULE(_ext, m) {
       .def_property_readonly("num_pools", &Engine::num_pools)
       .def_property_readonly("kernels", &Engine::kernels)
       .def("pack", &Engine::pack, G())
+      .def("route", &Engine::route, G())
       .def("gather", &Engine::gather, G())
       .def("combine", &Engine::combine, G())
       .def("silu_mul", &Engine::silu_mul, G())
@@ -482,6 +554,8 @@ PYBIND11_MODULE(_ext, m) {
       .def("bwd_down", &Engine::bwd_down, G())
       .def("bwd_act", &Engine::bwd_act, G())
       .def("bwd_gate_up", &Engine::bwd_gate_up, G())
+      .def("memzero", &Engine::memzero, G())
+      .def("bench_gemm", &Engine::bench_gemm, G())
       .def("read_bandwidth", &Engine::read_bandwidth, G())
       .def("amx_peak", &Engine::amx_peak, G());
 }
