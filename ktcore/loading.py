@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 
 from .experts import ExpertLayer, ExpertWeights
 from .weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
-from .wrap import activation_name, canonical_weights, finish, install_layer, prepare
+from .wrap import (activation_name, canonical_weights, finish, install_layer, install_resident, plan_placement,
+                   prepare)
 
 PARTS = ("gate", "up", "down")
 
@@ -159,13 +160,17 @@ def fill_model(model, config, open_weights, *, path, dtype, device, need_backwar
     if tied:
         model.tie_weights()
 
-    # 3. routed experts, one layer at a time, straight into the backend
+    # 3. routed experts, one layer at a time, straight into the backend (or onto the device, kt_placement)
+    plan = plan_placement(modules, kt, backend, need_backward)
     layers = {}
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         expert_weights = sources[name].read(dtype)
-        packed = backend.pack(expert_weights, activation=act)
+        if plan[name] is None:
+            install_resident(model, name, module, expert_weights, arch, dtype, device)
+            continue
+        packed = plan[name].pack(expert_weights, activation=act)
         del expert_weights
-        layers[name] = ExpertLayer(backend, packed, budget, kt.kt_cpu_activation, name)
+        layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
         install_layer(model, name, module, layers[name], arch, dtype, device)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:

@@ -260,3 +260,14 @@ def test_placement_with_an_unknown_backend_names_the_choices():
     with pytest.raises(UnknownPluginError, match="Choose one of: .*torch"):
         ktcore.wrap_model(tiny_model("mixtral"), {"kt_backend": "torch",
                                                   "kt_placement": [{"match": "layers.1", "backend": "nope"}]})
+
+
+def test_load_model_honours_placement(tmp_path):
+    plain = tiny_model("deepseek_v2", seed=10)
+    plain.save_pretrained(tmp_path / "model")
+    kt = {"kt_backend": "torch", "kt_placement": [{"match": r"layers\.1\.mlp\.experts$", "device": "gpu"}]}
+    ours = ktcore.load_model(tmp_path / "model", kt, device="cpu", progress=False)
+    assert ours.ktcore.on_gpu == ("model.layers.1.mlp.experts",)
+    assert sorted(ours.ktcore.layers) == ["model.layers.2.mlp.experts"]
+    assert not ours.model.layers[1].mlp.experts.gate_up_proj.is_meta
+    assert_equivalent(plain, ours, seed=10)
