@@ -149,6 +149,36 @@ def chat(config_path, prompt, overrides):
     run_chat(load_config(config_path, overrides), prompt=prompt)
 
 
+@main.group()
+def bench():
+    """Benchmarks that report ratios measured in one run (never pass/fail on time)."""
+
+
+@bench.command("kernels")
+@click.option("--scenario", "scenarios", multiple=True, default=("quick",), show_default=True,
+              type=click.Choice(["quick", "memory", "compute", "dsv2lite"]), help="layer shapes (repeatable)")
+@click.option("--backend", "backend_names", multiple=True,
+              help="backends to time (repeatable; default: torch and every usable one); the first is the baseline")
+@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp32"]))
+@click.option("--tokens", default=None, help="comma list of token counts instead of the scenario's")
+@click.option("--seconds", default=1.0, show_default=True, help="time budget per measurement")
+@click.option("--backward/--no-backward", default=True, show_default=True, help="also time forward+backward")
+@click.option("--json", "as_json", is_flag=True)
+def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, as_json):
+    """Expert-layer forward/backward of each backend vs the torch reference, DRAM bandwidth and bf16 peak."""
+    from .bench import format_table, run
+    from .select import get_backend, resolve_backend
+
+    if not backend_names:
+        choice = resolve_backend("auto", need_backward=backward)
+        usable = [n for n, why in sorted(choice.reasons.items()) if why is None or why.startswith("usable")]
+        backend_names = ["torch"] + [n for n in usable if n != "torch"]
+    backends = {name: get_backend(name, {"kt_backend": name}, need_backward=backward) for name in backend_names}
+    token_list = tuple(int(t) for t in tokens.split(",")) if tokens else None
+    result = run(scenarios, backends, dtype, seconds, backward, token_list)
+    click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
+
+
 @main.command()
 @click.option("--workdir", default="runs/demo", show_default=True, type=click.Path(file_okay=False),
               help="where the demo model, data and adapter are written")

@@ -1,0 +1,129 @@
+"""``ktcore bench kernels``: expert-layer timings of every chosen backend, as ratios measured in one run.
+
+Each row times one backend on one layer shape: forward, and forward + backward (input and routing-weight
+gradients, no LoRA), and reports GFLOP/s, the GB/s of expert weights touched, the speed-up over the torch
+reference backend, and the share of the DRAM read bandwidth and of the bf16 matrix peak measured in the
+same run (``ktcore doctor``'s probes). Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .experts import ExpertWeights
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    tokens: tuple
+
+
+SCENARIOS = {
+    "quick": Shape("quick", 16, 2, 256, 128, (1, 64)),
+    "memory": Shape("memory-bound E128 K8 H2048 I768", 128, 8, 2048, 768, (512,)),
+    "compute": Shape("compute-bound E8 K2 H2048 I1408", 8, 2, 2048, 1408, (4096,)),
+    "dsv2lite": Shape("DeepSeek-V2-Lite E64 K6 H2048 I1408", 64, 6, 2048, 1408, (1, 16, 512, 4096)),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def median_time(fn, seconds: float, min_reps: int = 3, max_reps: int = 50) -> float:
+    fn()  # warm-up
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < seconds and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_problem(shape: Shape, tokens: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    e, k, h, i = shape.experts, shape.top_k, shape.hidden, shape.inter
+    weights = ExpertWeights(*((torch.randn(*s, generator=g) * (s[2] ** -0.5)).to(dtype)
+                              for s in ((e, i, h), (e, i, h), (e, h, i))))
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    ids = torch.rand(tokens, e, generator=g).topk(k, dim=1).indices
+    w = torch.softmax(torch.rand(tokens, k, generator=g), dim=1)
+    return weights, x, ids, w
+
+
+def bench_backend(backend, weights, x, ids, w, seconds: float, backward: bool) -> dict:
+    packed = backend.pack(weights, activation="silu")
+    fwd = median_time(lambda: backend.forward(packed, x, ids, w, None, save=False), seconds)
+    out = {"fwd_s": fwd, "fwd_bwd_s": None}
+    if backward:
+        grad_y = torch.ones_like(x)
+
+        def step():
+            _, ctx = backend.forward(packed, x, ids, w, None, save=True)
+            backend.backward(packed, ctx, grad_y, None)
+
+        out["fwd_bwd_s"] = median_time(step, seconds)
+    return out
+
+
+def run(scenarios, backends: dict, dtype: str, seconds: float, backward: bool, tokens=None) -> dict:
+    """backends: name -> instance (the first is the baseline). Returns {"machine": ..., "rows": [...]}."""
+    from .doctor import measure_amx_peak_gflops, measure_onednn_bf16_gflops, measure_read_bandwidth
+
+    bandwidth = measure_read_bandwidth(seconds=seconds)
+    gemm, _ = measure_onednn_bf16_gflops(seconds=seconds)
+    amx, _ = measure_amx_peak_gflops(seconds)
+    peak = amx or gemm
+    rows = []
+    baseline = next(iter(backends))
+    for key in scenarios:
+        shape = SCENARIOS[key]
+        for t in tokens or shape.tokens:
+            weights, x, ids, w = make_problem(shape, t, DTYPES[dtype])
+            touched = int(torch.unique(ids).numel())
+            nbytes = touched * 3 * shape.hidden * shape.inter * weights.gate.element_size()
+            flops = 2.0 * 3 * shape.hidden * shape.inter * t * shape.top_k
+            base = None
+            for name, backend in backends.items():
+                r = bench_backend(backend, weights, x, ids, w, seconds, backward)
+                if name == baseline:
+                    base = r
+                rows.append({
+                    "scenario": shape.name, "tokens": t, "backend": name,
+                    "fwd_ms": r["fwd_s"] * 1e3, "fwd_gflops": flops / r["fwd_s"] / 1e9,
+                    "fwd_gbps": nbytes / r["fwd_s"] / 1e9,
+                    "fwd_read_time_ratio": r["fwd_s"] / (nbytes / (bandwidth * 1e9)),
+                    "fwd_pct_peak": 100 * flops / r["fwd_s"] / 1e9 / peak if dtype == "bf16" else None,
+                    "fwd_speedup_vs_" + baseline: base["fwd_s"] / r["fwd_s"],
+                    "fwd_bwd_ms": None if r["fwd_bwd_s"] is None else r["fwd_bwd_s"] * 1e3,
+                    "fwd_bwd_speedup_vs_" + baseline: None if r["fwd_bwd_s"] is None
+                    else base["fwd_bwd_s"] / r["fwd_bwd_s"],
+                })
+            del weights
+    machine = {"dram_read_gbps": bandwidth, "onednn_bf16_gemm_gflops": gemm, "amx_bf16_peak_gflops": amx,
+               "peak_used_gflops": peak, "dtype": dtype, "torch_threads": torch.get_num_threads()}
+    return {"machine": machine, "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    m = result["machine"]
+    head = (f"DRAM read {m['dram_read_gbps']:.1f} GB/s; bf16 peak {m['peak_used_gflops']:.1f} GFLOP/s "
+            f"({'AMX tile loop' if m['amx_bf16_peak_gflops'] else 'oneDNN GEMM'}); weights {m['dtype']}; "
+            f"{m['torch_threads']} threads")
+    rows = result["rows"]
+    if not rows:
+        return head
+    speed_keys = [k for k in rows[0] if k.startswith("fwd_speedup_vs_") or k.startswith("fwd_bwd_speedup_vs_")]
+    cols = ["scenario", "tokens", "backend", "fwd_ms", "fwd_gflops", "fwd_gbps", "fwd_read_time_ratio",
+            "fwd_pct_peak", "fwd_bwd_ms", *speed_keys]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [f"{r[c]:.3g}" if isinstance(r[c], float) else ("-" if r[c] is None else str(r[c])) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
