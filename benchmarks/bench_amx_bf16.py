@@ -70,6 +70,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="shorter timing loops")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--skip-torch-backend", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also print per-phase times of forward+backward")
+    ap.add_argument("--micro", action="store_true", help="also run the gemm_block micro-benchmark")
     args = ap.parse_args()
     min_time = 0.3 if args.quick else 1.0
 
@@ -179,6 +181,41 @@ def main():
         out(f"| {T} | {af * 1e3:.2f} | {tf_ * 1e3:.2f} | {tf_ / af:.1f}x | {afb * 1e3:.2f} | {tfb_ * 1e3:.2f} | "
             f"{tfb_ / afb:.1f}x |")
     out()
+    if args.micro:
+        out("### gemm_block micro-benchmark (operands cache-resident, every thread its own)")
+        out()
+        out("| threads | m rows | K blocks | GFLOP/s |")
+        out("| ---: | ---: | ---: | ---: |")
+        for th in (1, threads):
+            eng = _ext.Engine(th, 1, "amx")
+            for m, kb in ((32, 8), (32, 64), (256, 64), (4, 64), (1, 64)):
+                out(f"| {th} | {m} | {kb} | {eng.bench_gemm(m, kb, 2000 if m <= 32 else 200):.0f} |")
+        out(f"| 1 | tile-only peak | | {_ext.Engine(1, 1, 'amx').amx_peak(0.3):.0f} |")
+        out()
+    if args.profile:
+        from ktcore_amx_bf16 import backend as bmod
+
+        bmod._Prof.on = True
+        out("### per-phase profile of forward+backward (ms per call, mean of 5)")
+        out()
+        for (E, K, H, I, Ts) in [(64, 6, 2048, 1408, (1, 16, 512, 4096)), (8, 2, 2048, 1408, (4096,)),
+                                 (128, 8, 2048, 768, (512,))]:
+            packed = amx.pack(make_layer(E, H, I))
+            for T in Ts:
+                x, ids, w, gy = make_inputs(E, K, H, T)
+                f = run_fwd_bwd(amx, packed, x, ids, w, gy)
+                f()
+                bmod._Prof.times.clear()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    f()
+                tot = (time.perf_counter() - t0) / 5
+                phases = " ".join(f"{k}={v / 5 * 1e3:.2f}" for k, v in bmod._Prof.times.items())
+                out(f"- E={E} K={K} T={T}: fwd+bwd {tot * 1e3:.2f} ms | {phases}")
+            del packed
+            gc.collect()
+        bmod._Prof.on = False
+        out()
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
