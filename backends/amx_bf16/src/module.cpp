@@ -376,12 +376,15 @@ class Engine {
     pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t lda = kb * 32 + 32;
-        std::vector<uint16_t> A((m + 32) * lda, 0x3f80), B(2 * kb * kBlockElems + 32, 0x3c00);
-        std::vector<float> C((m + 32) * 32);
-        K_->gemm_block(A.data(), lda, m, B.data(), B.data() + kb * kBlockElems, kb, C.data(), 32, 0);
+        std::vector<uint16_t> Av((m + 32) * lda + 32, 0x3f80), Bv(2 * kb * kBlockElems + 32, 0x3c00);
+        std::vector<float> Cv((m + 32) * 32 + 16);
+        auto al = [](auto* p, uintptr_t esz) { return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / esz; };
+        const uint16_t* A = al(Av.data(), 2);
+        const uint16_t* B = al(Bv.data(), 2);
+        float* C = al(Cv.data(), 4);
+        K_->gemm_block(A, lda, m, B, B + kb * kBlockElems, kb, C, 32, 0);
         auto t0 = std::chrono::steady_clock::now();
-        for (int64_t it = 0; it < iters; ++it)
-          K_->gemm_block(A.data(), lda, m, B.data(), B.data() + kb * kBlockElems, kb, C.data(), 32, 0);
+        for (int64_t it = 0; it < iters; ++it) K_->gemm_block(A, lda, m, B, B + kb * kBlockElems, kb, C, 32, 0);
         secs[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
     });
@@ -489,7 +492,8 @@ class Engine {
   float* scratch_c(int pool, int tid) {
     auto& c = scratch_[pool][tid].c;
     if (c.size() < static_cast<size_t>(kRowChunk * 32 + 64)) c.resize(kRowChunk * 32 + 64);
-    return c.data();
+    float* base = c.data();
+    return base + (16 - (reinterpret_cast<uintptr_t>(base) / 4) % 16) % 16;  // 64-byte aligned tile rows
   }
   void scratch_streams(int pool, int tid, int64_t blocks, uint16_t** s0, uint16_t** s1) {
     auto& s = scratch_[pool][tid].s;
