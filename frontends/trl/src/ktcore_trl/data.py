@@ -350,3 +350,41 @@ def _dataset(rows: list[dict]):
     digest = hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:16]
     columns = {key: [row[key] for row in rows] for key in rows[0]}
     return Dataset(InMemoryTable(pa.table(columns)), fingerprint=f"ktcore-{digest}")
+
+
+# ---- preference pairs (DPO) --------------------------------------------------------------------------------
+
+
+def tokenize_pair(example: Example, tokenizer, template, cutoff_len: int) -> dict:
+    """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` of one preference pair (TRL's DPO collator format).
+
+    The prompt is the conversation rendered up to the assistant's turn; each answer is the text the chat
+    template adds for it (including its end-of-turn tokens). ``cutoff_len`` bounds prompt + the longer answer
+    (answers keep at least their share, as in SFT).
+    """
+    prompt_text = _render(tokenizer, template, example.messages, True)
+    answers = []
+    for answer in (example.chosen, example.rejected):
+        full = _render(tokenizer, template, example.messages + [{"role": "assistant", "content": answer}], False)
+        if not full.startswith(prompt_text):
+            raise ConfigError(f"{example.source}: the chat template renders the prompt differently once an answer "
+                              f"follows, so prompt and answer cannot be told apart; set template to one of "
+                              f"{', '.join(TEMPLATES)}")
+        answers.append(tokenizer(full[len(prompt_text):], add_special_tokens=False)["input_ids"])
+    prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    n_src, n_tgt = _budget(len(prompt), max(len(a) for a in answers), cutoff_len)
+    return {"prompt_ids": prompt[len(prompt) - n_src:] if n_src else [],  # keep the end of a long prompt
+            "chosen_ids": answers[0][:n_tgt], "rejected_ids": answers[1][:n_tgt]}
+
+
+def tokenize_pairs(examples: list[Example], tokenizer, cfg, template: Optional[str] = None):
+    """A ``datasets.Dataset`` with ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` for TRL's DPOTrainer."""
+    rows = []
+    for example in examples:
+        row = tokenize_pair(example, tokenizer, template, cfg.cutoff_len)
+        if row["chosen_ids"] and row["rejected_ids"] and row["chosen_ids"] != row["rejected_ids"]:
+            rows.append(row)
+    if not rows:
+        raise ConfigError(f"{_where(cfg)}: no preference pair keeps two different answers after "
+                          f"cutoff_len={cfg.cutoff_len}; raise cutoff_len or check the chosen/rejected columns")
+    return _dataset(rows)

@@ -11,7 +11,7 @@ def ktcore_register_frontends():
             name="trl",
             run="ktcore_trl.train:run",
             required_packages=("trl", "datasets"),
-            stages=("sft",),
-            description="TRL SFTTrainer with LLaMA-Factory-style datasets; LoRA incl. routed-expert LoRA",
+            stages=("sft", "dpo"),
+            description="TRL SFTTrainer / DPOTrainer with LLaMA-Factory-style datasets; LoRA incl. routed-expert LoRA",
         )
     ]

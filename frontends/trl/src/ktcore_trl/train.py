@@ -1,4 +1,4 @@
-"""``ktcore train CFG.yaml --frontend trl``: LoRA SFT with TRL's own ``SFTTrainer``.
+"""``ktcore train CFG.yaml --frontend trl``: LoRA SFT and DPO with TRL's own ``SFTTrainer`` / ``DPOTrainer``.
 
 ktcore supplies the model (routed experts in the CPU backend when ``use_kt: true``) and the LoRA config
 (expert LoRA in PEFT's ``target_parameters`` layout); TRL and transformers run the training loop unchanged.
@@ -6,8 +6,21 @@ ktcore supplies the model (routed experts in the CPU backend when ``use_kt: true
 Order of work, so that bad input fails fast: validate the config and read every dataset file -> load the
 tokenizer and tokenize (template and cutoff_len checks) -> only then load the model.
 
-The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter``, ``summary``) are shared with the DPO
-stage that comes next.
+The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter``, ``summary``) are shared by
+both stages. ``KtTrainerMixin`` adds what both trainers need on top of TRL: exact per-step records (loss, tokens,
+DPO rewards), crash-safe checkpoints (``checkpoints.py``) and the progress bar (``report.py``).
+
+DPO reference: with ``ref_model=None`` on a PEFT model TRL computes the reference under
+``model.disable_adapter()``; ktcore's expert LoRA lives in PEFT's own ``target_parameters`` wrappers, so that
+context switches it off as well and the reference is exactly the base model. ``KtDPOTrainer`` routes every
+reference pass through TRL's ``compute_ref_log_probs`` (also used by ``precompute_ref_log_probs``) and keeps the
+last one (``last_reference``) so tests can compare it with a fresh base model.
+
+Gradient checkpointing with CPU experts: transformers checkpoints whole decoder layers, so backward re-runs the
+layer's forward, routed experts included -- a second CPU expert forward per layer, although
+``kt_cpu_activation: retain`` already kept what the experts' backward needs. With ``use_kt`` the frontend
+therefore checkpoints only the attention blocks and dense MLPs (``checkpoint_non_experts``); the routed experts
+run once forward and keep (retain) or recompute (recompute) their own activations, as configured.
 """
 
 from __future__ import annotations
@@ -24,7 +37,8 @@ from ktcore.config import ConfigError, TrainConfig
 
 from . import data
 
-STAGES = ("sft",)
+STAGES = ("sft", "dpo")
+PREF_LOSSES = {"sigmoid": "sigmoid", "ipo": "ipo", "hinge": "hinge"}  # YAML pref_loss -> TRL loss_type
 
 
 def _where(cfg) -> str:
@@ -59,6 +73,11 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.adapter_name_or_path and not (Path(cfg.adapter_name_or_path) / "adapter_config.json").is_file():
         raise ConfigError(f"{where}: adapter_name_or_path {cfg.adapter_name_or_path!r} has no adapter_config.json; "
                           "point it at a directory written by save_pretrained")
+    if cfg.stage == "dpo":
+        if cfg.pref_loss not in PREF_LOSSES:
+            raise ConfigError(f"{where}: pref_loss {cfg.pref_loss!r} is not one of {', '.join(PREF_LOSSES)}")
+        if not cfg.pref_beta > 0:
+            raise ConfigError(f"{where}: pref_beta must be > 0, got {cfg.pref_beta}")
     out = Path(cfg.output_dir)
     if (out.is_dir() and any(p.name != "runs" for p in out.iterdir()) and not cfg.overwrite_output_dir
             and not cfg.resume_from_checkpoint):
@@ -110,18 +129,22 @@ def attach_lora(model, cfg):
     """PEFT-wrap ``model``: a new LoRA from the YAML, or ``adapter_name_or_path`` to keep training."""
     from peft import PeftModel, get_peft_model
 
+    if cfg.adapter_name_or_path:
+        return PeftModel.from_pretrained(model, cfg.adapter_name_or_path, is_trainable=True)
+    return get_peft_model(model, lora_config(model, cfg))
+
+
+def lora_config(model, cfg):
+    """The peft.LoraConfig the YAML asks for (expert LoRA in PEFT's target_parameters layout)."""
     from ktcore.lora import lora_config_for
     from ktcore.wrap import find_arch
 
-    if cfg.adapter_name_or_path:
-        return PeftModel.from_pretrained(model, cfg.adapter_name_or_path, is_trainable=True)
     info = getattr(model, "ktcore", None)
     arch = info.arch if info is not None else find_arch(model.config)
     try:
-        lora_config = lora_config_for(model, arch, cfg)
+        return lora_config_for(model, arch, cfg)
     except ValueError as exc:
         raise ConfigError(f"{_where(cfg)}: {exc}") from exc
-    return get_peft_model(model, lora_config)
 
 
 def count_parameters(model) -> dict:
@@ -144,8 +167,9 @@ def _checkpointing_kwargs(cfg, args_cls) -> dict:
 
     names = {f.name for f in fields(args_cls)}
     prefix = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    extra = {"use_reentrant": False} if cfg.gradient_checkpointing else None
-    kwargs = {prefix: cfg.gradient_checkpointing, f"{prefix}_kwargs": extra}
+    enabled = cfg.gradient_checkpointing and not cfg.use_kt  # with use_kt: checkpoint_non_experts instead
+    extra = {"use_reentrant": False} if enabled else None
+    kwargs = {prefix: enabled, f"{prefix}_kwargs": extra}
     if prefix == "activation_checkpointing" and "gradient_checkpointing" in names:
         kwargs.update(gradient_checkpointing=None, gradient_checkpointing_kwargs=None)  # TRL's defaults would warn
     return kwargs
@@ -188,16 +212,109 @@ def trainer_kwargs(cfg, args_cls) -> dict:
     )
 
 
+def checkpoint_non_experts(model) -> list[str]:
+    """Activation checkpointing for the attention blocks and dense MLPs of a ktcore model (before PEFT).
+
+    transformers' own gradient checkpointing re-runs whole decoder layers in backward, routed experts included,
+    which would compute every CPU expert forward twice. Here only modules without routed experts are wrapped
+    in ``torch.utils.checkpoint`` (non-reentrant); the experts keep following ``kt_cpu_activation``.
+    Returns the names of the wrapped modules.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    info = getattr(model, "ktcore", None)
+    expert_names = set(info.layers) | set(info.on_gpu) if info is not None else set()
+
+    def holds_experts(name: str) -> bool:
+        return any(e == name or e.startswith(name + ".") for e in expert_names)
+
+    def wrap(module):
+        forward = module.forward
+
+        def checkpointed(*args, **kwargs):
+            if module.training and torch.is_grad_enabled():
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return forward(*args, **kwargs)
+
+        module.forward = checkpointed  # this instance only: names, state_dict and PEFT targets are unchanged
+
+    wrapped = []
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("self_attn", "mlp") and ".layers." in f".{name}" and not holds_experts(name):
+            wrap(module)
+            wrapped.append(name)
+    model.config.use_cache = False  # a KV cache updated inside a checkpointed block would be updated twice
+    return wrapped
+
+
+class KtTrainerMixin:
+    """Added in front of TRL's trainers: exact per-step records, crash-safe checkpoints, the progress bar."""
+
+    def _kt_init(self):
+        from transformers.trainer_callback import ProgressCallback
+
+        from .report import KtProgressCallback
+
+        self.step_loss = defaultdict(lambda: [0.0, 0])  # step -> [loss sum, weight]
+        self.step_metrics = defaultdict(lambda: defaultdict(list))  # step -> metric -> micro-batch values
+        self.tokens_seen = 0
+        self._kt_staging = None
+        if not self.args.disable_tqdm:
+            self.remove_callback(ProgressCallback)
+            self.add_callback(KtProgressCallback(self))
+
+    def _count_tokens(self, inputs) -> None:
+        mask = inputs.get("attention_mask")
+        self.tokens_seen += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+
+    def losses(self) -> list[float]:
+        return [s / max(n, 1) for _, (s, n) in sorted(self.step_loss.items())]
+
+    def records(self) -> dict:
+        """step (0-based) -> {"loss": ..., metric: mean over the step's micro-batches}."""
+        out = {}
+        for step, (total, n) in sorted(self.step_loss.items()):
+            metrics = {k: sum(v) / len(v) for k, v in self.step_metrics.get(step, {}).items() if v}
+            out[step] = {"loss": total / max(n, 1), **metrics}
+        return out
+
+    # -- checkpoints: written to output_dir/.tmp-checkpoint-N, sealed with a manifest, then renamed ------------
+
+    def _get_output_dir(self, trial):
+        return str(self._kt_staging) if self._kt_staging is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        from .checkpoints import PREFIX, STAGING_PREFIX, publish, rotate, seal
+
+        run_dir = Path(self._get_output_dir(trial))
+        step = self.state.global_step
+        staging = run_dir / f"{STAGING_PREFIX}{PREFIX}-{step}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        self._kt_staging = staging
+        try:
+            super()._save_checkpoint(model, trial)  # transformers/TRL write everything into staging/checkpoint-N
+        finally:
+            self._kt_staging = None
+        written = staging / f"{PREFIX}-{step}"
+        seal(written, step)
+        publish(written, run_dir / f"{PREFIX}-{step}")
+        shutil.rmtree(staging, ignore_errors=True)
+        if self.args.should_save:
+            rotate(run_dir, self.args.save_total_limit)
+
+
 def make_sft_trainer(model, tokenizer, dataset, cfg, callbacks=()):
     from trl import SFTConfig, SFTTrainer
 
-    class KtSFTTrainer(SFTTrainer):
+    class KtSFTTrainer(KtTrainerMixin, SFTTrainer):
         """SFTTrainer that also records the exact loss and token count of every optimizer step."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.step_loss = defaultdict(lambda: [0.0, 0])  # step -> [loss sum, weight]
-            self.tokens_seen = 0
+            self._kt_init()
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             # (asking TRL for the outputs would cost an extra forward pass, so only the loss is read)
@@ -213,18 +330,78 @@ def make_sft_trainer(model, tokenizer, dataset, cfg, callbacks=()):
                     n = int((inputs["labels"][..., 1:] != data.IGNORE_INDEX).sum())
                     record[0] += float(loss.detach()) * n
                     record[1] += n
-                mask = inputs.get("attention_mask")
-                self.tokens_seen += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+                self._count_tokens(inputs)
             return result
-
-        def losses(self) -> list[float]:
-            return [s / max(n, 1) for _, (s, n) in sorted(self.step_loss.items())]
 
     args = SFTConfig(**trainer_kwargs(cfg, SFTConfig), max_length=cfg.cutoff_len, packing=False, dataset_num_proc=None,
                      completion_only_loss=None, assistant_only_loss=False, shuffle_dataset=False)
     return KtSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks))
 
+
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")
+
+
+def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=None):
+    from trl import DPOConfig, DPOTrainer
+
+    class KtDPOTrainer(KtTrainerMixin, DPOTrainer):
+        """DPOTrainer with per-step reward records; every reference pass goes through ``compute_ref_log_probs``
+        (TRL's: the PEFT model under ``disable_adapter()``, which switches ktcore's expert LoRA off too)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._kt_init()
+            self.micro_batches = []  # per training micro-batch: the numbers the loss was computed from
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if "prompt_ids" in dataset.column_names:  # tokenized by ktcore_trl.data (template, cutoff_len)
+                return dataset
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+        def compute_ref_log_probs(self, model, inputs):
+            chosen, rejected = super().compute_ref_log_probs(model, inputs)
+            self.last_reference = {"input_ids": inputs["input_ids"].detach().cpu(),
+                                   "attention_mask": inputs["attention_mask"].detach().cpu(),
+                                   "completion_mask": inputs["completion_mask"].detach().cpu(),
+                                   "chosen": chosen.detach().cpu(), "rejected": rejected.detach().cpu()}
+            return chosen, rejected
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            if "ref_chosen_logps" in inputs:  # precompute_ref_log_probs: computed before step one
+                ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+            else:
+                ref_chosen, ref_rejected = self.compute_ref_log_probs(self.ref_model or model, inputs)
+                inputs = {**inputs, "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
+            precompute, self.precompute_ref_logps = self.precompute_ref_logps, True  # TRL reads them from inputs
+            try:
+                result = super()._compute_loss(model, inputs, return_outputs)
+            finally:
+                self.precompute_ref_logps = precompute
+            if self.model.training:
+                loss = float((result[0] if return_outputs else result).detach())
+                step = self.state.global_step
+                record = self.step_loss[step]
+                record[0] += loss
+                record[1] += 1
+                metrics = self._metrics["train"]
+                for key in DPO_METRICS:
+                    if metrics.get(key):
+                        self.step_metrics[step][key].append(metrics[key][-1])
+                chosen_mask, rejected_mask = inputs["completion_mask"].chunk(2, dim=0)
+                self.micro_batches.append({
+                    "step": step, "loss": loss, **{k: metrics[k][-1] for k in DPO_METRICS if metrics.get(k)},
+                    "ref_chosen": ref_chosen.detach().cpu().tolist(), "ref_rejected": ref_rejected.detach().cpu().tolist(),
+                    "chosen_tokens": chosen_mask.sum(dim=1).cpu().tolist(),
+                    "rejected_tokens": rejected_mask.sum(dim=1).cpu().tolist()})
+                self._count_tokens(inputs)
+            return result
+
+    args = DPOConfig(**trainer_kwargs(cfg, DPOConfig), beta=cfg.pref_beta, loss_type=[PREF_LOSSES[cfg.pref_loss]],
+                     max_length=None, precompute_ref_log_probs=cfg.precompute_ref_log_probs, dataset_num_proc=None)
+    return KtDPOTrainer(model=model, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
+                        callbacks=list(callbacks), peft_config=peft_config)
 
 # ---- outputs -------------------------------------------------------------------------------------------------
 
@@ -245,33 +422,6 @@ def save_adapter(model, tokenizer, output_dir) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def plot_loss(losses: list[float], output_dir, title: str = "training loss") -> str:
-    """training_loss.png: the loss of every step and its moving average (like LLaMA-Factory's plot)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = list(range(1, len(losses) + 1))
-    window = max(1, len(losses) // 20)
-    smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
-              for i in range(len(losses))]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, losses, alpha=0.35, label="loss")
-    ax.plot(steps, smooth, label=f"moving average ({window})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(output_dir) / "training_loss.png"
-    tmp = path.with_suffix(".png.tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return str(path)
-
-
 def summary(trainer, cfg, runtime: float, params: dict, extra: dict | None = None) -> dict:
     import torch
 
@@ -284,6 +434,7 @@ def summary(trainer, cfg, runtime: float, params: dict, extra: dict | None = Non
         "first_loss": losses[0] if losses else math.nan,
         "last_loss": losses[-1] if losses else math.nan,
         "losses": losses,
+        "first_logged_step": min(trainer.step_loss) + 1 if trainer.step_loss else None,  # > 1 after a resume
         "tokens": tokens,
         "train_seconds": round(runtime, 3),
         "tokens_per_s": round(tokens / runtime, 1) if runtime > 0 else None,
@@ -295,6 +446,12 @@ def summary(trainer, cfg, runtime: float, params: dict, extra: dict | None = Non
         info = getattr(trainer.model.get_base_model(), "ktcore", None)
         if info is not None:
             out["kt_backend"] = type(info.backend).__name__
+    if cfg.stage == "dpo":
+        records = trainer.records()
+        for key in ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"):
+            out[key.replace("/", "_")] = [r.get(key, math.nan) for r in records.values()]
+        out.update(pref_loss=cfg.pref_loss, pref_beta=cfg.pref_beta,
+                   precompute_ref_log_probs=cfg.precompute_ref_log_probs)
     if torch.cuda.is_available():
         out["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     try:
@@ -309,33 +466,68 @@ def summary(trainer, cfg, runtime: float, params: dict, extra: dict | None = Non
 # ---- entry ---------------------------------------------------------------------------------------------------
 
 
-def prepare_sft(cfg: TrainConfig):
-    """(tokenizer, dataset) for SFT: every check that needs no model."""
+def prepare(cfg: TrainConfig):
+    """(tokenizer, dataset, resume checkpoint) for the configured stage: every check that needs no model."""
+    from .checkpoints import resolve_resume
+
     check_config(cfg)
     data.resolve_template(cfg)  # an unknown template name fails before anything is read
-    examples = data.load_examples(cfg, ranking=False)
+    resume = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, _where(cfg))
+    examples = data.load_examples(cfg, ranking=cfg.stage == "dpo")
     tokenizer = load_tokenizer(cfg)
     template = data.resolve_template(cfg, tokenizer)
-    dataset = data.tokenize_sft(examples, tokenizer, cfg, template)
+    if cfg.stage == "dpo":
+        dataset = data.tokenize_pairs(examples, tokenizer, cfg, template)
+    else:
+        dataset = data.tokenize_sft(examples, tokenizer, cfg, template)
     if template is not None:
         tokenizer.chat_template = template  # saved with the adapter, so inference formats prompts the same way
+    return tokenizer, dataset, resume
+
+
+def prepare_sft(cfg: TrainConfig):
+    """(tokenizer, dataset) for SFT (kept for callers of the SFT-only frontend)."""
+    tokenizer, dataset, _ = prepare(cfg)
     return tokenizer, dataset
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train the LoRA adapter the YAML describes; returns the summary printed by ``ktcore train``."""
+def build_trainer(cfg: TrainConfig, tokenizer, dataset, callbacks=()):
+    """Model (ktcore's when use_kt) + LoRA + the stage's trainer; returns (trainer, parameter counts)."""
     from transformers import set_seed
 
-    tokenizer, dataset = prepare_sft(cfg)
     set_seed(cfg.seed)
-    model = attach_lora(load_base_model(cfg), cfg)
-    params = count_parameters(model)
-    trainer = make_sft_trainer(model, tokenizer, dataset, cfg)
+    base = load_base_model(cfg)
+    if cfg.gradient_checkpointing and cfg.use_kt:
+        checkpoint_non_experts(base)
+    if cfg.stage == "dpo" and not cfg.adapter_name_or_path:
+        # TRL wraps the model itself; with a LoRA it created, its reference is the PEFT model under
+        # disable_adapter() -- the base model, expert LoRA off too. (A model wrapped beforehand would make TRL
+        # copy the adapter into a "ref" adapter and use that as the reference instead.)
+        trainer = make_dpo_trainer(base, tokenizer, dataset, cfg, callbacks, peft_config=lora_config(base, cfg))
+    elif cfg.stage == "dpo":  # keep training an adapter: TRL's reference is a frozen copy of it ("ref")
+        trainer = make_dpo_trainer(attach_lora(base, cfg), tokenizer, dataset, cfg, callbacks)
+    else:
+        trainer = make_sft_trainer(attach_lora(base, cfg), tokenizer, dataset, cfg, callbacks)
+    return trainer, count_parameters(trainer.model)
+
+
+def run(cfg: TrainConfig, callbacks=()) -> dict:
+    """Train the LoRA adapter the YAML describes; returns the summary printed by ``ktcore train``."""
+    import sys
+
+    from .checkpoints import clean_staging
+    from .report import plot_training
+
+    tokenizer, dataset, resume = prepare(cfg)
+    clean_staging(cfg.output_dir)  # leftovers of a save that was killed
+    trainer, params = build_trainer(cfg, tokenizer, dataset, callbacks)
+    print(f"ktcore: trainable parameters {params['trainable_params']:,} (expert LoRA {params['expert_lora_params']:,})"
+          f" of {params['all_params']:,}" + (f"; resuming from {resume}" if resume else ""), file=sys.stderr)
     start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=cfg.resume_from_checkpoint or None)
+    trainer.train(resume_from_checkpoint=resume)
     runtime = time.perf_counter() - start
     save_adapter(trainer.model, tokenizer, cfg.output_dir)
-    extra = {"examples": len(dataset)}
-    if cfg.plot_loss and trainer.losses():
-        extra["loss_plot"] = plot_loss(trainer.losses(), cfg.output_dir)
+    extra = {"examples": len(dataset), "resumed_from": resume}
+    if cfg.plot_loss:
+        extra.update(plot_training(trainer.records(), cfg.output_dir, cfg.stage))
     return summary(trainer, cfg, runtime, params, extra)
