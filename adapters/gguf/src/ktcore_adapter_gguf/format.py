@@ -1,0 +1,313 @@
+"""llama.cpp's LoRA adapter GGUF, read and written with the ``gguf`` package.
+
+What llama.cpp checks when it loads an adapter (``llama_adapter_lora_init``) and what this module writes:
+
+* ``general.type = "adapter"``, ``general.architecture`` = the base GGUF's architecture (``qwen3moe``,
+  ``llama``, ...), ``adapter.type = "lora"``, ``adapter.lora.alpha`` (f32; llama.cpp scales each pair by
+  ``alpha / rank``, rank = the A tensor's ``ne[1]``).
+* One pair per base tensor, named after it: ``blk.L.attn_q.weight.lora_a`` / ``.lora_b``. In ggml's ``ne`` order
+  (innermost first) a base weight is ``[in, out]``, ``lora_a`` is ``[in, r]`` and ``lora_b`` is ``[r, out]``;
+  ``gguf`` reverses numpy shapes, so the arrays are PEFT's own ``A [r, in]`` and ``B [out, r]``.
+* Routed experts: the base GGUF stores them stacked per projection, ``blk.L.ffn_{gate,up,down}_exps.weight``
+  with ``ne = [in, out, E]``; llama.cpp applies the expert LoRA with ``ggml_mul_mat_id`` per selected expert, so
+  ``lora_a`` is ``ne [in, r, E]`` (numpy ``[E, r, in]``) and ``lora_b`` is ``ne [r, out, E]`` (numpy
+  ``[E, out, r]``). PEFT's fused ``gate_up_proj`` LoRA is split exactly into gate and up pairs of rank r that
+  share A (see ``ktcore.adapters.split_gate_up``); reading back fuses them again (rank r when the two A are
+  equal, else rank 2r, exact).
+* llama arch (Llama, Mixtral): llama.cpp stores q/k weights with rotary rows permuted, so the q/k ``lora_b`` rows
+  get the same permutation (inverted on import).
+
+Tensors are written F32 (F16 adapters stay F16; BF16 ones are widened to F32, exactly). Extra keys under
+``ktcore.adapter.*`` (ignored by llama.cpp) keep the PEFT config, the HF module of each tensor and the
+base-model fingerprint, so PEFT -> GGUF -> PEFT is bit-exact. A GGUF LoRA from another tool (no
+``ktcore.adapter.tensor_map``) is mapped back through the base model's config (``--base``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from ktcore import adapters as core
+from ktcore.adapters import AdapterError
+
+ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "llama": "llama", "mixtral": "llama",
+         "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "qwen2": "qwen2", "qwen3": "qwen3"}
+EXPERT_NAMES = {"gate": "blk.{layer}.ffn_gate_exps.weight", "up": "blk.{layer}.ffn_up_exps.weight",
+                "down": "blk.{layer}.ffn_down_exps.weight"}
+_DENSE = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj")  # not in llama.cpp's MoE arch tables
+_QK = re.compile(r"\.attn_(q|k)\.weight$")
+META = "ktcore.adapter."
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as exc:  # pragma: no cover
+        raise AdapterError("the gguf adapter format needs the gguf package: pip install gguf") from exc
+    return gguf
+
+
+def _permute(w, n_head: int):
+    """llama.cpp's rotary row order for q/k (per head: halves -> interleaved pairs)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _unpermute(w, n_head: int):
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _field(reader, key, default=None):
+    f = reader.get_field(key)
+    if f is None:
+        return default
+    value = f.parts[f.data[0]]
+    if f.types and f.types[0] == _gguf().GGUFValueType.STRING:
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+class BaseInfo:
+    """What naming the adapter's tensors needs from the base model (a model directory or a .gguf)."""
+
+    def __init__(self, base: Path):
+        self.path = base
+        if base.is_file() and base.suffix.lower() == ".gguf":
+            reader = _gguf().GGUFReader(str(base))
+            self.arch = _field(reader, "general.architecture")
+            self.layers = int(_field(reader, f"{self.arch}.block_count"))
+            self.heads = int(_field(reader, f"{self.arch}.attention.head_count"))
+            self.kv_heads = int(_field(reader, f"{self.arch}.attention.head_count_kv", self.heads))
+            self.config = None
+        else:
+            cfg = json.loads((base / "config.json").read_text(encoding="utf-8"))
+            cfg = cfg.get("text_config", cfg)
+            if cfg.get("model_type") not in ARCHS:
+                raise AdapterError(f"{base}: model_type {cfg.get('model_type')!r} has no known GGUF architecture "
+                                   f"(known: {', '.join(sorted(ARCHS))})")
+            self.arch = ARCHS[cfg["model_type"]]
+            self.layers = int(cfg["num_hidden_layers"])
+            self.heads = int(cfg["num_attention_heads"])
+            self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
+            self.config = base
+        gguf = _gguf()
+        enum = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch), None)
+        if enum is None:
+            raise AdapterError(f"gguf does not know architecture {self.arch!r}")
+        self.name_map = gguf.get_tensor_name_map(enum, self.layers)
+
+    def gguf_name(self, module: str):
+        target = self.name_map.get_name(module + ".weight", try_suffixes=(".weight", ".bias"))
+        if target is None and (m := _DENSE.fullmatch(module)):
+            target = f"blk.{m.group(1)}.ffn_{m.group(2)}.weight"
+        return target
+
+    def heads_of(self, target: str) -> int:
+        return self.heads if ".attn_q." in target else self.kv_heads
+
+    def inverse_map(self) -> dict:
+        """GGUF tensor name -> HF module (or [experts module, part]) from the base config (foreign adapters)."""
+        if self.config is None:
+            raise AdapterError("this GGUF adapter has no ktcore.adapter.tensor_map; mapping its tensors back to "
+                               "HF modules needs the base model directory (--base DIR with config.json)")
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.config))
+        out = {}
+        for name, _ in model.named_parameters():
+            module, _, leaf = name.rpartition(".")
+            if leaf in ("gate_up_proj", "down_proj") and module.endswith("experts"):
+                layer = core.layer_of(module)
+                for part in (("gate", "up") if leaf == "gate_up_proj" else ("down",)):
+                    out[EXPERT_NAMES[part].format(layer=layer)] = [module, part]
+            elif leaf == "weight" and (target := self.gguf_name(module)) is not None:
+                out[target] = module
+        return out
+
+
+class Format:
+    name = "gguf"
+
+    def sniff(self, path) -> bool:
+        path = Path(path)
+        if not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+
+    # ---- writing -----------------------------------------------------------------------------------------
+    def save(self, adapter: core.Adapter, dst, base=None) -> Path:
+        import torch
+
+        gguf = _gguf()
+        adapter.check()
+        base_path = core.resolve_base(adapter.base_model, base)
+        if base_path is None:
+            raise AdapterError(f"naming GGUF adapter tensors needs the base model; {adapter.base_model!r} is not a "
+                               "local path: pass --base DIR (or the base .gguf)")
+        info = BaseInfo(base_path)
+        tensors, tmap = [], {}
+
+        def add(target, a, b, source):
+            tensors.append((target + ".lora_a", a))
+            tensors.append((target + ".lora_b", b))
+            tmap[target] = source
+
+        for module, (a, b) in sorted(adapter.linear.items()):
+            target = info.gguf_name(module)
+            if target is None:
+                raise AdapterError(f"LoRA on {module}: no GGUF tensor name for it in architecture {info.arch!r}")
+            if target.startswith("token_embd"):
+                raise AdapterError(f"LoRA on {module}: embedding LoRA is not supported in GGUF adapters")
+            if info.arch == "llama" and _QK.search(target):
+                b = _permute(b, info.heads_of(target))
+            add(target, a, b, module)
+        for module, parts in sorted(adapter.experts.items()):
+            layer = core.layer_of(module)
+            split = {}
+            if "gate_up" in parts:
+                split["gate"], split["up"] = core.split_gate_up(*parts["gate_up"])
+            if "down" in parts:
+                split["down"] = parts["down"]
+            for part, (a, b) in split.items():
+                add(EXPERT_NAMES[part].format(layer=layer), a, b, [module, part])
+
+        dst = Path(dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+        os.close(fd)
+        try:
+            writer = gguf.GGUFWriter(tmp, info.arch)
+            writer.add_type(gguf.GGUFType.ADAPTER)
+            writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+            writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(adapter.alpha))
+            writer.add_string(META + "peft_config", json.dumps(core.peft_config_for(adapter), sort_keys=True))
+            writer.add_string(META + "tensor_map", json.dumps(tmap, sort_keys=True))
+            writer.add_string(META + "base_model", str(Path(base_path).resolve()))
+            writer.add_string(META + "base_fingerprint", core.base_fingerprint(base_path))
+            for name, t in tensors:
+                t = t.detach().cpu()
+                t = t if t.dtype == torch.float16 else t.float()
+                writer.add_tensor(name, t.contiguous().numpy())
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+            core.fsync_path(tmp)
+            os.replace(tmp, dst)
+            core.fsync_path(dst.parent)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return dst
+
+    # ---- reading -------------------------------------------------------------------------------------------
+    def _read(self, path, base=None):
+        import torch
+
+        gguf = _gguf()
+        path = core.local_adapter_path(path)
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
+            raise AdapterError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        checks = []
+        kind = _field(reader, "general.type")
+        if kind != "adapter":
+            raise AdapterError(f"{path}: general.type is {kind!r}, not 'adapter' (a base model GGUF, not a LoRA?)")
+        if _field(reader, gguf.Keys.Adapter.TYPE) != "lora":
+            raise AdapterError(f"{path}: adapter.type is {_field(reader, gguf.Keys.Adapter.TYPE)!r}, not 'lora'")
+        alpha = _field(reader, gguf.Keys.Adapter.LORA_ALPHA)
+        if alpha is None:
+            raise AdapterError(f"{path}: no adapter.lora.alpha")
+        arch = _field(reader, "general.architecture")
+        checks.append(f"{path.name}: general.type=adapter, adapter.type=lora, adapter.lora.alpha={alpha:g}, "
+                      f"architecture {arch}")
+        pairs: dict[str, dict] = {}
+        for t in reader.tensors:
+            m = re.fullmatch(r"(.+)\.lora_(a|b)", t.name)
+            if not m:
+                raise AdapterError(f"{path}: tensor {t.name!r} does not end in .lora_a/.lora_b")
+            if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                raise AdapterError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}; only F32/F16 adapters can "
+                                   "be read back")
+            shape = [int(d) for d in reversed(list(t.shape))]
+            value = torch.from_numpy(t.data.copy()).reshape(shape)
+            pairs.setdefault(m.group(1), {})[m.group(2)] = value
+        ranks = set()
+        for target, ab in pairs.items():
+            if set(ab) != {"a", "b"}:
+                raise AdapterError(f"{path}: LoRA pair for {target!r} is missing one component")
+            a, b = ab["a"], ab["b"]
+            if a.dim() != b.dim() or a.shape[-2] != b.shape[-1] or (a.dim() == 3 and a.shape[0] != b.shape[0]):
+                raise AdapterError(f"{path}: {target}: lora_a {list(a.shape)} / lora_b {list(b.shape)} do not "
+                                   "form a LoRA pair (lora_a not transposed?)")
+            ranks.add(a.shape[-2])
+        if len(ranks) > 1:
+            raise AdapterError(f"{path}: pairs of different ranks {sorted(ranks)}; one rank per adapter is supported")
+        r = ranks.pop() if ranks else 1
+        checks.append(f"tensors: {len(pairs)} lora_a/lora_b pairs, every pair rank {r} with matching shapes")
+
+        tmap_text = _field(reader, META + "tensor_map")
+        recorded_base = _field(reader, META + "base_model")
+        base_path = core.resolve_base(recorded_base, base)
+        fingerprint = _field(reader, META + "base_fingerprint")
+        if base_path is not None and fingerprint is not None:
+            got = core.base_fingerprint(base_path)
+            if got != fingerprint:
+                raise AdapterError(f"{path}: made for base model {recorded_base!r}, but {base_path} has another "
+                                   "fingerprint: other base model; refusing")
+            checks.append(f"base model {base_path}: fingerprint matches")
+        info = BaseInfo(base_path) if base_path is not None else None
+        if tmap_text is not None:
+            tmap = json.loads(tmap_text)
+        elif info is not None:
+            tmap = info.inverse_map()
+        else:
+            raise AdapterError(f"{path}: a GGUF LoRA from another tool; mapping it back needs the base model "
+                               "(--base DIR)")
+        unknown = sorted(set(pairs) - set(tmap))
+        if unknown:
+            raise AdapterError(f"{path}: tensors {unknown[:3]} match no module of the base model (other base model?)")
+        peft_config = json.loads(_field(reader, META + "peft_config") or "{}")
+        return reader, pairs, tmap, float(alpha), r, arch, info, peft_config, recorded_base, checks
+
+    def load(self, path, base=None) -> core.Adapter:
+        _, pairs, tmap, alpha, r, arch, info, peft_config, recorded_base, _ = self._read(path, base)
+        linear, split = {}, {}
+        for target, ab in pairs.items():
+            source = tmap[target]
+            a, b = ab["a"], ab["b"]
+            if isinstance(source, list):
+                split.setdefault(source[0], {})[source[1]] = (a, b)
+                continue
+            if arch == "llama" and _QK.search(target):
+                heads = info.heads_of(target) if info is not None else None
+                if heads is None:
+                    raise AdapterError(f"{target}: undoing llama.cpp's q/k row order needs the base model (--base)")
+                b = _unpermute(b, heads)
+            linear[source] = (a, b)
+        experts = {}
+        for module, parts in split.items():
+            out = {}
+            if "gate" in parts or "up" in parts:
+                if not ("gate" in parts and "up" in parts):
+                    raise AdapterError(f"{module}: GGUF adapter has gate LoRA without up LoRA or the reverse")
+                a, b, _ = core.fuse_gate_up(parts["gate"], parts["up"])
+                out["gate_up"] = (a, b)
+            if "down" in parts:
+                out["down"] = parts["down"]
+            experts[module] = out
+        return core.uniform_rank(r, alpha, linear, experts, peft_config, recorded_base)
+
+    def verify(self, path, base=None) -> list[str]:
+        checks = self._read(path, base)[-1]
+        self.load(path, base)
+        checks.append("mapped back onto HF modules (attention/MLP names, expert gate/up fused)")
+        return checks
