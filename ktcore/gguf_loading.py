@@ -27,7 +27,7 @@ def load_gguf_model(path, config=None, *, device=None, dtype=None, need_backward
     path = Path(path)
     with GGUFFile(path) as file:
         hf_config = gguf_config(file)
-        dtype = _resolve_dtype(hf_config, dtype)
+        dtype = _resolve_dtype(hf_config, dtype or getattr(hf_config, "dtype", None) or torch.float32)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)

@@ -7,6 +7,7 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -128,14 +129,18 @@ def gguf_tensors(model, family):
     return out
 
 
-def write_gguf(model, family, path, f16=False):
-    """Write ``model`` as a GGUF file; returns the names written F16 (the rest is F32)."""
+def write_gguf(model, family, path, f16=False, expert_qtype=None):
+    """Write ``model`` as a GGUF file; returns the names written F16 or ``expert_qtype`` (the rest is F32)."""
     writer = gguf.GGUFWriter(path, GGUF_ARCH[family])
     _metadata(writer, family, model.config)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
     halved = set()
     for name, value in gguf_tensors(model, family):
         array = value.detach().float().contiguous().numpy()
+        if expert_qtype is not None and "_exps." in name:
+            writer.add_tensor(name, gguf.quants.quantize(array, expert_qtype), raw_dtype=expert_qtype)
+            halved.add(name)
+            continue
         if f16 and array.ndim > 1 and not KEEP_F32.search(name):
             array = array.astype(np.float16)
             halved.add(name)
@@ -188,6 +193,25 @@ def test_gguf_f16_matches_rounded_weights(tmp_path, family):
     assert_equivalent(rounded_f16(plain), ours, seed=2)
 
 
+def test_gguf_q8_0_experts_are_dequantised_per_layer(tmp_path):
+    """Quantised expert tensors (Q8_0 here; rows a multiple of 32) are dequantised layer by layer on the way to the
+    backend: the result equals the model holding the dequantised weights."""
+    from conftest import tiny_qwen3_moe
+
+    plain = tiny_qwen3_moe(seed=5, hidden_size=64, moe_intermediate_size=32, head_dim=16)
+    path = tmp_path / "q8.gguf"
+    assert write_gguf(plain, "qwen3_moe", path, expert_qtype=gguf.GGMLQuantizationType.Q8_0)
+    truth = copy.deepcopy(plain)
+    with torch.no_grad():
+        for layer in MOE_LAYERS["qwen3_moe"]:
+            experts = truth.model.layers[layer].mlp.experts
+            for p in (experts.gate_up_proj, experts.down_proj):
+                q = gguf.quants.quantize(p.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)))
+            assert not torch.equal(experts.down_proj, plain.model.layers[layer].mlp.experts.down_proj)
+    assert_equivalent(truth, load(path), seed=5)
+
+
 def test_gguf_reader_api(tmp_path):
     from ktcore.weights.gguf_reader import GGUFFile
 
@@ -230,7 +254,12 @@ def smollm2():
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    ours = ktcore.load_model(path, TORCH, device="cpu", dtype=torch.float32, need_backward=False, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = ktcore.load_model(path, TORCH, device="cpu", dtype=torch.float32, need_backward=False,
+                                 progress=False)
+    unused = [str(w.message) for w in caught if "have no place" in str(w.message)]
+    assert not unused, unused  # every tensor of the file has its place in the model
     return reference, ours, tokenizer
 
 
@@ -263,7 +292,7 @@ def good_gguf(tmp_path):
     return path
 
 
-def _rewrite(src, dst, drop=None, reshape=None):
+def _rewrite(src, dst, drop=None, reshape=None, add=None):
     """Copy a GGUF file with gguf's own reader/writer, dropping or truncating one tensor."""
     from ktcore.weights.gguf_reader import GGUFFile
 
@@ -282,6 +311,8 @@ def _rewrite(src, dst, drop=None, reshape=None):
             if name == reshape:
                 value = value[:-1]
             writer.add_tensor(name, np.ascontiguousarray(value))
+        for name, value in (add or {}).items():
+            writer.add_tensor(name, value)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -324,6 +355,16 @@ def test_wrong_shape_gguf(good_gguf, tmp_path):
     with pytest.raises(CheckpointError, match=r"broken\.gguf: tensor 'blk\.0\.ffn_down_exps\.weight'.* has shape "
                                               r"\[3, 48, 24\], the model needs \[4, 48, 24\]"):
         load(broken)
+
+
+def test_unused_tensor_is_reported(tmp_path, good_gguf):
+    """A tensor the model has no place for (here llama3's rope_freqs, which transformers' Llama ignores too) is
+    named in a warning rather than dropped silently."""
+    extra = tmp_path / "extra.gguf"
+    _rewrite(good_gguf, extra, add={"rope_freqs.weight": np.ones(6, dtype=np.float32)})
+    with pytest.warns(UserWarning, match=r"extra\.gguf: 1 GGUF tensor\(s\) have no place in the mixtral model and "
+                                         r"are ignored: rope_freqs\.weight"):
+        load(extra)
 
 
 def test_unsupported_architecture(tmp_path):

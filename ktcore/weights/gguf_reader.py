@@ -194,6 +194,18 @@ class GGUFWeights:
                     target.replace("attn_kv_b", "attn_k_b") in file:
                 target = ("kv_b", target.replace("attn_kv_b", "attn_k_b"), target.replace("attn_kv_b", "attn_v_b"))
             self.names[hf_name] = target
+        self._warn_unused()
+
+    def _warn_unused(self) -> None:
+        used = set()
+        for target in self.names.values():
+            used.update(target[1:] if isinstance(target, tuple) else (target,))
+        expert = re.compile(r"blk\.\d+\.ffn_(gate|up|down)(_exps)?\.weight$")
+        unused = sorted(n for n in self.file.keys() if n not in used and not expert.match(n))
+        if unused:
+            warnings.warn(f"{self.file.path}: {len(unused)} GGUF tensor(s) have no place in the "
+                          f"{self.arch.name} model and are ignored: {', '.join(unused[:8])}"
+                          f"{' ...' if len(unused) > 8 else ''}", stacklevel=3)
 
     def __contains__(self, name: str) -> bool:
         target = self.names.get(name)
