@@ -55,10 +55,10 @@ def load_for_chat(cfg: TrainConfig):
         kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
         model = AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, **kwargs)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.adapter_name_or_path:
-        from peft import PeftModel
+    if cfg.adapter_name_or_path:  # any installed adapter format, sniffed and validated
+        from .adapters import load_adapter_into
 
-        model = PeftModel.from_pretrained(model, cfg.adapter_name_or_path)
+        model = load_adapter_into(model, cfg.adapter_name_or_path, base=path)
     return model.eval(), tokenizer
 
 

@@ -150,6 +150,50 @@ def chat(config_path, prompt, overrides):
 
 
 @main.group()
+def adapter():
+    """Convert and verify LoRA adapters (formats: `ktcore list-adapter-formats`)."""
+
+
+@adapter.command("convert")
+@click.argument("src", metavar="SRC")
+@click.argument("dst", metavar="DST")
+@click.option("--to", "to", default="peft", show_default=True, help="target format (peft, fused_expert, gguf, ...)")
+@click.option("--base", default=None, help="local base model (default: the adapter's base_model_name_or_path)")
+def adapter_convert(src, dst, to, base):
+    """Convert the adapter SRC (format sniffed) into DST in format --to."""
+    from .adapters import convert
+
+    click.echo(json.dumps(convert(src, dst, to, base=base), indent=2))
+
+
+@adapter.command("verify")
+@click.argument("path", metavar="DIR")
+@click.option("--base", default=None, help="check against this local base model")
+def adapter_verify(path, base):
+    """Validate an adapter (format sniffed) and print every check that passed."""
+    from .adapters import verify
+
+    name, checks = verify(path, base=base)
+    click.echo(f"{path}: {name} adapter OK")
+    for line in checks:
+        click.echo(f"  ok  {line}")
+
+
+@main.command("export")
+@click.argument("config_path", metavar="CFG.yaml", type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="directory for the merged model")
+@click.option("--shard-size", default=2.0, show_default=True, help="largest shard in GiB")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def export_cmd(config_path, out, shard_size, overrides):
+    """Merge adapter_name_or_path into model_name_or_path as a standalone safetensors model."""
+    from .config import load_config
+    from .export import export_merged
+
+    summary = export_merged(load_config(config_path, overrides), out, max_shard_bytes=int(shard_size * (1 << 30)))
+    click.echo(json.dumps(summary, indent=2))
+
+
+@main.group()
 def bench():
     """Benchmarks that report ratios measured in one run (never pass/fail on time)."""
 
