@@ -177,8 +177,8 @@ class GGUFWeights:
         name = file.architecture
         gguf_arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name), None)
         if gguf_arch is None:
-            raise CheckpointError(f"{file.path}: gguf {gguf.__version__ if hasattr(gguf, '__version__') else ''} "
-                                  f"does not know architecture {name!r}")
+            raise CheckpointError(f"{file.path}: the installed gguf package does not know architecture {name!r}; "
+                                  "upgrade it (pip install -U gguf)")
         name_map = gguf.get_tensor_name_map(gguf_arch, self.config.num_hidden_layers)
         self.permute = name == "llama"
         self.names = {}  # HF name -> GGUF name (or a ("kv_b", k_b, v_b) triple)
