@@ -42,7 +42,8 @@ class KTConfig:
                            default="auto")
     kt_expert_weight_format: str = _key("weight format the backend packs experts into; auto: the backend's "
                                         "natural one (the model's dtype for torch, bf16 for amx_bf16)",
-                                        ("auto", "fp32", "bf16", "int8", "gguf"), default="auto")
+                                        ("auto", "fp32", "bf16", "int8", "gguf", "f32", "f16", "q8_0", "q4_0",
+                                         "q4_1", "q4_k", "q5_k", "q6_k"), default="auto")
     kt_num_threads: Optional[int] = _key("CPU threads for expert math (default: all cores)")
     kt_tp_enabled: bool = _key("split each expert's intermediate dim across thread pools (NUMA)", default=False)
     kt_threadpool_count: int = _key("number of thread pools when kt_tp_enabled", default=1)

@@ -1,0 +1,361 @@
+"""The llamafile expert backend: torch glue around the GGUF-block kernels in ``ktcore_llamafile._ext``.
+
+Packed experts are ggml blocks, one ``uint8 [E, N, row_bytes]`` tensor per projection (gate/up ``[E, I, H]``,
+down ``[E, H, I]``, blocks along the reduction dimension, exactly a GGUF ``ffn_*_exps`` tensor), either
+quantised by :meth:`LlamafileBackend.pack` or taken as they are from a GGUF file
+(:meth:`LlamafileBackend.pack_blocks` / :meth:`LlamafileBackend.pack_gguf`, zero-copy on the file's mmap).
+
+Forward: the routed rows are sorted by expert; activations are quantised per 32 elements to int8 (one fp32
+scale per block, ggml's Q8_0 rule) and dotted against the weight blocks (int8 x int8 -> int32 per block,
+scaled in fp32); float block types (F32/F16/BF16) are dotted in fp32. SiLU(gate) * up and the routing
+weights are applied in fp32. Backward computes the transposed products (grad through down, gate and up)
+straight from the blocks, dequantising a few blocks at a time, and the routing-weight gradient from the
+saved per-expert outputs. Expert LoRA is fp32 torch math between the C++ phases.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ktcore.experts import ACTIVATIONS, ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
+
+from . import blocks as B
+
+
+def _ext():
+    from . import _ext as ext
+
+    return ext
+
+
+def _act(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_tanh":
+        return lambda t: F.gelu(t, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"activation {name!r} is not supported; choose one of {', '.join(ACTIVATIONS)}")
+
+
+@dataclass
+class Projection:
+    """One projection of every expert: ``blocks`` uint8 [E, n, row_bytes], rows of k (padded) elements."""
+
+    blocks: torch.Tensor
+    qtype: int
+    n: int
+    k: int
+
+    @property
+    def kp(self) -> int:
+        return B.padded(self.k, self.qtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return B.row_bytes(self.k, self.qtype)
+
+    @property
+    def quantised(self) -> bool:
+        return B.NAMES[self.qtype] not in ("f32", "f16", "bf16")
+
+    @property
+    def format(self) -> str:
+        return B.NAMES[self.qtype]
+
+    def dequantize(self) -> torch.Tensor:
+        return B.dequantize_rows(self.blocks, self.qtype, self.k)
+
+
+@dataclass
+class LlamafilePacked:
+    gate: Projection
+    up: Projection
+    down: Projection
+    num_experts: int
+    hidden: int
+    inter: int
+    activation: str = "silu"
+    source: object = None  # keeps an mmapped GGUF file alive while its blocks are in use
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.blocks.numel() for p in (self.gate, self.up, self.down))
+
+    @property
+    def formats(self) -> tuple[str, str, str]:
+        return self.gate.format, self.up.format, self.down.format
+
+
+@dataclass
+class _Route:
+    T: int
+    K: int
+    R: int
+    offsets: torch.Tensor  # int64 [E+1]
+    row_tok: torch.Tensor  # int32 [R]
+    order: torch.Tensor  # int64 [R] flat slot of each row
+    w_row: torch.Tensor  # fp32 [R]
+
+
+@dataclass
+class _Saved:
+    x: torch.Tensor  # fp32 [T, H]
+    route: _Route
+    g: torch.Tensor  # fp32 [R, I] (LoRA included)
+    u: torch.Tensor
+    h: torch.Tensor  # act(g) * u
+    out: torch.Tensor  # fp32 [R, H] expert outputs before the routing weights
+    w_dtype: torch.dtype
+
+
+class _Acts:
+    """Activations of R rows in the form a projection's kernel reads (quantised int8 blocks or fp32)."""
+
+    def __init__(self, eng, src: torch.Tensor, rows: Optional[torch.Tensor], R: int, k: int, kp: int,
+                 quantised: bool):
+        self.kp = kp
+        if quantised:
+            nc = kp // 32
+            self.xq = torch.empty(R, kp, dtype=torch.int8)
+            self.xd = torch.empty(R, nc, dtype=torch.float32)
+            self.xm = torch.empty(R, nc, dtype=torch.float32)
+            eng.quantize_act(src.data_ptr(), src.stride(0), 0 if rows is None else rows.data_ptr(), R, k, kp,
+                             self.xq.data_ptr(), self.xd.data_ptr(), self.xm.data_ptr())
+            self.ptrs = (self.xq.data_ptr(), self.xd.data_ptr(), self.xm.data_ptr(), 0)
+        else:
+            xs = src if rows is None else src[rows.long()]
+            self.xf = F.pad(xs, (0, kp - k)).contiguous() if kp != k else xs.contiguous()
+            self.ptrs = (0, 0, 0, self.xf.data_ptr())
+
+
+class LlamafileBackend(ExpertBackendBase):
+    """GGUF-block expert backend. ``isa`` (or ``KTCORE_LLAMAFILE_ISA``): auto | vnni | avx2 | scalar."""
+
+    name = "llamafile"
+
+    def __init__(self, config=None, isa: Optional[str] = None):
+        super().__init__(config)
+        isa = isa or os.environ.get("KTCORE_LLAMAFILE_ISA", "auto")
+        threads = self.config.kt_num_threads or len(os.sched_getaffinity(0))
+        self._engine = _ext().Engine(int(threads), isa)
+
+    @property
+    def isa(self) -> str:
+        return self._engine.isa
+
+    @property
+    def num_threads(self) -> int:
+        return self._engine.num_threads
+
+    # -- pack ----------------------------------------------------------------------------------------------
+    def weight_format(self, dtype: torch.dtype = torch.float32) -> str:
+        """The block type dense experts are packed into: ``auto`` keeps the weights' own float type (lossless:
+        f32/bf16/f16), ``gguf`` means q8_0, any other value names the block type."""
+        fmt = self.config.kt_expert_weight_format
+        if fmt == "auto":
+            return {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32")
+        if fmt == "gguf":
+            return B.DEFAULT_FORMAT
+        if fmt == "fp32":
+            return "f32"
+        if fmt not in B.QUANTISERS:
+            raise ValueError(f"the llamafile backend quantises dense experts to {', '.join(B.QUANTISERS)}, not "
+                             f"{fmt!r} (Q5_K/Q6_K experts are read from GGUF files as they are)")
+        return fmt
+
+    def pack(self, weights: ExpertWeights, activation: str = "silu") -> LlamafilePacked:
+        weights.validate()
+        _act(activation)
+        fmt = self.weight_format(weights.gate.dtype)
+        e, i, h = weights.gate.shape
+
+        def quantise(w: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(w.shape[0], w.shape[1], B.row_bytes(w.shape[2], fmt), dtype=torch.uint8)
+            for e0 in range(0, w.shape[0], 8):  # a few experts at a time: bounded fp32 staging
+                out[e0:e0 + 8] = B.quantize_rows(w[e0:e0 + 8], fmt)
+            return out
+
+        t = B.type_number(fmt)
+        return LlamafilePacked(Projection(quantise(weights.gate), t, i, h), Projection(quantise(weights.up), t, i, h),
+                               Projection(quantise(weights.down), t, h, i), e, h, i, activation)
+
+    def pack_blocks(self, gate, up, down, types, hidden: int, inter: int, activation: str = "silu",
+                    source=None) -> LlamafilePacked:
+        """Experts as GGUF blocks: ``gate``/``up`` uint8 [E, I, row_bytes(H)], ``down`` [E, H, row_bytes(I)]
+        (numpy arrays, e.g. a GGUFReader tensor's mmapped ``data``, or torch tensors; not copied).
+        ``types``: one block type or a (gate, up, down) triple (names like "q4_k" or ggml type numbers)."""
+        _act(activation)
+        if not isinstance(types, (tuple, list)):
+            types = (types, types, types)
+        parts = []
+        for arr, t, n, k, what in ((gate, types[0], inter, hidden, "gate"), (up, types[1], inter, hidden, "up"),
+                                   (down, types[2], hidden, inter, "down")):
+            t = B.type_number(t)
+            elems, _ = B.block_info(t)
+            if k % elems:
+                raise ValueError(f"{what}: rows of {k} elements are not whole {B.NAMES[t]} blocks of {elems}")
+            if isinstance(arr, np.ndarray):
+                with warnings.catch_warnings():  # read-only mmap: the kernels never write to it
+                    warnings.simplefilter("ignore")
+                    arr = torch.from_numpy(arr.view(np.uint8))
+            rb = B.row_bytes(k, t)
+            arr = arr.view(torch.uint8).reshape(-1, n, rb)
+            if not arr.is_contiguous():
+                raise ValueError(f"{what}: blocks must be contiguous")
+            parts.append(Projection(arr, t, n, k))
+        if not (parts[0].blocks.shape[0] == parts[1].blocks.shape[0] == parts[2].blocks.shape[0]):
+            raise ValueError("gate, up and down disagree on the number of experts")
+        return LlamafilePacked(*parts, parts[0].blocks.shape[0], hidden, inter, activation, source)
+
+    def pack_gguf(self, file, layer: int, activation: str = "silu", dense: bool = False) -> LlamafilePacked:
+        """One layer's routed experts (``blk.L.ffn_{gate,up,down}_exps``; ``dense``: the MLP ``blk.L.ffn_*``)
+        from a ``ktcore.weights.gguf_reader.GGUFFile`` (or a path), zero-copy on its mmap."""
+        from ktcore.weights.gguf_reader import DENSE_KEYS, EXPERT_KEYS, GGUFFile
+
+        if not isinstance(file, GGUFFile):
+            file = GGUFFile(file)
+        keys = {p: k.format(layer=layer) for p, k in (DENSE_KEYS if dense else EXPERT_KEYS).items()}
+        tensors = {p: file.tensors[k] for p, k in keys.items()}
+        inter, hidden = file.shape(keys["gate"])[-2:]
+        return self.pack_blocks(tensors["gate"].data, tensors["up"].data, tensors["down"].data,
+                                tuple(int(tensors[p].tensor_type) for p in ("gate", "up", "down")), hidden, inter,
+                                activation, source=file)
+
+    def dequantize(self, packed: LlamafilePacked) -> ExpertWeights:
+        """The dense weights the packed blocks stand for (tests and references)."""
+        return ExpertWeights(packed.gate.dequantize(), packed.up.dequantize(), packed.down.dequantize())
+
+    # -- C++ calls -----------------------------------------------------------------------------------------
+    def _route(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> _Route:
+        T, K = topk_ids.shape
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        slots = torch.nonzero((ids >= 0) & (ids < E)).squeeze(1)
+        order = slots[torch.argsort(ids[slots], stable=True)]
+        counts = torch.bincount(ids[order], minlength=E)
+        offsets = torch.zeros(E + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        w_row = topk_weights.reshape(-1).to(torch.float32)[order].contiguous()
+        return _Route(T, K, order.numel(), offsets, (order // K).to(torch.int32).contiguous(), order, w_row)
+
+    def _acts(self, proj: Projection, src: torch.Tensor, rows: Optional[torch.Tensor], R: int,
+              cache: Optional[dict] = None) -> _Acts:
+        key = (proj.kp, proj.quantised)
+        if cache is not None and key in cache:
+            return cache[key]
+        acts = _Acts(self._engine, src, rows, R, proj.k, proj.kp, proj.quantised)
+        if cache is not None:
+            cache[key] = acts
+        return acts
+
+    def _matmul(self, proj: Projection, acts: _Acts, route: _Route, out: torch.Tensor) -> None:
+        b = proj.blocks
+        self._engine.matmul(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.kp,
+                            route.offsets.data_ptr(), b.shape[0], *acts.ptrs, out.data_ptr(), out.stride(0))
+
+    def _matmul_t(self, proj: Projection, g: torch.Tensor, route: _Route, out: torch.Tensor) -> None:
+        b = proj.blocks
+        g = g.contiguous()
+        self._engine.matmul_t(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.k,
+                              route.offsets.data_ptr(), b.shape[0], g.data_ptr(), g.stride(0), out.data_ptr(),
+                              out.stride(0))
+
+    @staticmethod
+    def _segments(route: _Route):
+        off = route.offsets.tolist()
+        for e in range(len(off) - 1):
+            if off[e + 1] > off[e]:
+                yield e, off[e], off[e + 1]
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, packed: LlamafilePacked, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA] = None,
+                save: bool = False):
+        if x.dim() != 2 or x.shape[1] != packed.hidden:
+            raise ValueError(f"x must be [T, {packed.hidden}], got {tuple(x.shape)}")
+        E, H, I = packed.num_experts, packed.hidden, packed.inter
+        route = self._route(topk_ids, topk_weights, E)
+        R = route.R
+        xf = x.detach().to(torch.float32).contiguous()
+        cache: dict = {}
+        g = torch.empty(R, I, dtype=torch.float32)
+        u = torch.empty(R, I, dtype=torch.float32)
+        self._matmul(packed.gate, self._acts(packed.gate, xf, route.row_tok, R, cache), route, g)
+        self._matmul(packed.up, self._acts(packed.up, xf, route.row_tok, R, cache), route, u)
+        del cache
+        if lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None:
+            a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
+            for e, r0, r1 in self._segments(route):
+                xe = xf[route.row_tok[r0:r1].long()]
+                delta = (xe @ a[e].float().T) @ b[e].float().T
+                g[r0:r1].add_(delta[:, :I], alpha=s)
+                u[r0:r1].add_(delta[:, I:], alpha=s)
+        h = _act(packed.activation)(g) * u
+        out = torch.empty(R, H, dtype=torch.float32)
+        self._matmul(packed.down, self._acts(packed.down, h, None, R), route, out)
+        if lora is not None and lora.down_a is not None and lora.down_b is not None:
+            a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
+            for e, r0, r1 in self._segments(route):
+                out[r0:r1].add_((h[r0:r1] @ a[e].float().T) @ b[e].float().T, alpha=s)
+        y = torch.zeros(route.T, H, dtype=torch.float32)
+        y.index_add_(0, route.row_tok.long(), out * route.w_row.unsqueeze(1))
+        ctx = _Saved(xf, route, g, u, h, out, topk_weights.dtype) if save else None
+        return y.to(x.dtype), ctx
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def backward(self, packed: LlamafilePacked, ctx: _Saved, grad_y, lora: Optional[ExpertLoRA] = None):
+        if ctx is None:
+            raise ValueError("backward needs the context of forward(..., save=True)")
+        H, I = packed.hidden, packed.inter
+        route = ctx.route
+        R, T, K = route.R, route.T, route.K
+        rows = route.row_tok.long()
+        grads = ExpertLoRAGrads()
+        gy = grad_y.detach().to(torch.float32)[rows]  # [R, H]
+        grad_w = torch.zeros(T * K, dtype=torch.float32)
+        grad_w[route.order] = (gy * ctx.out).sum(1)
+        go = gy * route.w_row.unsqueeze(1)  # gradient of each expert's output
+        gh = torch.zeros(R, I, dtype=torch.float32)
+        self._matmul_t(packed.down, go, route, gh)
+        if lora is not None and lora.down_a is not None and lora.down_b is not None:
+            a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
+            da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
+            for e, r0, r1 in self._segments(route):
+                ge, he = go[r0:r1], ctx.h[r0:r1]
+                ae, be = a[e].float(), b[e].float()
+                q = ge @ be  # [m, r]
+                gh[r0:r1].add_(q @ ae, alpha=s)
+                da[e] = s * (q.T @ he)
+                db[e] = s * (ge.T @ (he @ ae.T))
+            grads.down_a, grads.down_b = da.to(a.dtype), db.to(b.dtype)
+        with torch.enable_grad():
+            gt = ctx.g.detach().requires_grad_(True)
+            act = _act(packed.activation)(gt)
+            (dg,) = torch.autograd.grad(act, gt, gh * ctx.u)
+        du = gh * act.detach()
+        gx = torch.zeros(R, H, dtype=torch.float32)
+        self._matmul_t(packed.gate, dg, route, gx)
+        self._matmul_t(packed.up, du, route, gx)
+        if lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None:
+            a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
+            da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
+            ggu = torch.cat([dg, du], dim=1)
+            for e, r0, r1 in self._segments(route):
+                xe = ctx.x[rows[r0:r1]]
+                ge = ggu[r0:r1]
+                ae, be = a[e].float(), b[e].float()
+                z = ge @ be
+                gx[r0:r1].add_(z @ ae, alpha=s)
+                da[e] = s * (z.T @ xe)
+                db[e] = s * (ge.T @ (xe @ ae.T))
+            grads.gate_up_a, grads.gate_up_b = da.to(a.dtype), db.to(b.dtype)
+        grad_x = torch.zeros(T, H, dtype=torch.float32).index_add_(0, rows, gx)
+        return grad_x.to(grad_y.dtype), grad_w.view(T, K).to(ctx.w_dtype), grads

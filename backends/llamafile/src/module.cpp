@@ -1,0 +1,197 @@
+// ktcore_llamafile._ext: GGUF-block expert kernels behind a torch-free pybind11 boundary.
+// Tensors cross as addresses and sizes; every buffer is owned by the Python caller.
+//
+//   Engine(threads, isa)                       isa: "auto" | "vnni" | "avx2" | "scalar"
+//   Engine.quantize_act(...)                   fp32 rows -> per-32 int8 blocks (scale, sum) for the dot kernels
+//   Engine.matmul(...)                         out[r, n] = W_e[n, :] . x[r, :] for the rows r routed to expert e
+//   Engine.matmul_t(...)                       out[r, :] += sum_n g[r, n] * W_e[n, :]  (transposed, from the blocks)
+//   dequantize / quantize / type_info          block helpers (tests, pack, ktcore convert)
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "blocks.hpp"
+#include "kernels.hpp"
+#include "ktcore/thread_pool.hpp"
+
+namespace py = pybind11;
+using namespace ktl;
+
+namespace {
+
+bool cpu_has(const char* what) {
+  __builtin_cpu_init();
+  std::string w(what);
+  if (w == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  if (w == "vnni") return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return false;
+}
+
+// The one run-time ISA dispatch point.
+const Kernels& select_kernels(const std::string& isa) {
+  if (isa == "auto") return cpu_has("vnni") ? vnni_kernels() : cpu_has("avx2") ? avx2_kernels() : scalar_kernels();
+  if (isa == "scalar") return scalar_kernels();
+  if (isa == "avx2" || isa == "vnni") {
+    if (!cpu_has(isa.c_str())) throw std::runtime_error("this CPU cannot run the " + isa + " kernels");
+    return isa == "avx2" ? avx2_kernels() : vnni_kernels();
+  }
+  throw std::invalid_argument("isa must be auto, vnni, avx2 or scalar, not " + isa);
+}
+
+template <class T>
+T* P(uintptr_t a) { return reinterpret_cast<T*>(a); }
+
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> f;
+  void need(int64_t kp) {
+    if ((int64_t)q.size() < kp) q.resize(kp);
+    if ((int64_t)f.size() < kp + 3 * (kp / 32 + 1)) f.resize(kp + 3 * (kp / 32 + 1));
+  }
+};
+
+class Engine {
+ public:
+  Engine(int threads, const std::string& isa) : k_(select_kernels(isa)), pool_(threads), scratch_(pool_.num_threads()) {}
+
+  int num_threads() const { return pool_.num_threads(); }
+  std::string isa() const { return k_.name; }
+
+  // x rows (fp32, ldx) -> xq [R, kp] int8, xd [R, kp/32] scale, xm [R, kp/32] scale * sum(q); columns >= k are 0.
+  // rows: int32 [R] source row of each output row, or 0 for the identity.
+  void quantize_act(uintptr_t x, int64_t ldx, uintptr_t rows, int64_t R, int k, int kp, uintptr_t xq, uintptr_t xd,
+                    uintptr_t xm) {
+    const int nc = kp / 32;
+    pool_.parallel_for(R, [&](int64_t r0, int64_t r1, int) {
+      float buf[32];
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t src = rows ? P<int32_t>(rows)[r] : r;
+        const float* xr = P<float>(x) + src * ldx;
+        for (int c = 0; c < nc; ++c) {
+          float amax = 0.f;
+          for (int i = 0; i < 32; ++i) {
+            const int col = 32 * c + i;
+            buf[i] = col < k ? xr[col] : 0.f;
+            amax = std::max(amax, std::fabs(buf[i]));
+          }
+          const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+          int8_t* q = P<int8_t>(xq) + r * kp + 32 * c;
+          int sum = 0;
+          for (int i = 0; i < 32; ++i) {
+            q[i] = (int8_t)std::round(buf[i] * id);
+            sum += q[i];
+          }
+          P<float>(xd)[r * nc + c] = d;
+          P<float>(xm)[r * nc + c] = d * (float)sum;
+        }
+      }
+    }, 4);
+  }
+
+  // out[r, n] (ldo) for the rows r in [off[e], off[e+1]) and weight rows n < N of expert e.
+  // Quantised types read (xq, xd, xm) of row width kp; float types read xf (fp32 [R, kp]).
+  void matmul(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int kp, uintptr_t offsets,
+              int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t xf, uintptr_t out, int64_t ldo) {
+    const TypeInfo ti = type_info(qtype);
+    const int nc = kp / 32, nblocks = kp / ti.block_elems;
+    const int64_t* off = P<int64_t>(offsets);
+    const int tile = 16;
+    const int64_t tiles = (N + tile - 1) / tile;
+    std::vector<int> experts;
+    for (int e = 0; e < E; ++e) if (off[e + 1] > off[e]) experts.push_back(e);
+    pool_.parallel_for((int64_t)experts.size() * tiles, [&](int64_t b, int64_t end, int tid) {
+      Scratch& s = scratch_[tid];
+      s.need(kp);
+      Unpacked u{s.q.data(), s.f.data(), s.f.data() + nc, s.f.data() + 2 * nc};
+      for (int64_t job = b; job < end; ++job) {
+        const int e = experts[job / tiles];
+        const int n0 = (int)(job % tiles) * tile, n1 = std::min(N, n0 + tile);
+        const int64_t r0 = off[e], nt = off[e + 1] - r0;
+        const uint8_t* we = P<uint8_t>(w) + e * expert_stride;
+        for (int n = n0; n < n1; ++n) {
+          float* o = P<float>(out) + r0 * ldo + n;
+          if (ti.quantised) {
+            unpack_row(qtype, we + n * row_bytes, nblocks, u);
+            k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)nt, P<int8_t>(xq) + r0 * kp,
+                     P<float>(xd) + r0 * nc, P<float>(xm) + r0 * nc, kp, o, ldo);
+          } else {
+            float* wf = s.f.data();
+            float_row(qtype, we + n * row_bytes, kp, wf);
+            k_.dot_f(wf, kp, (int)nt, P<float>(xf) + r0 * kp, kp, o, ldo);
+          }
+        }
+      }
+    });
+  }
+
+  // out[r, 0:k] += sum_n g[r, n] * W_e[n, 0:k] for the rows of each expert: the transposed product, with each
+  // weight row dequantised block by block (a few blocks per task, never a resident dequantised copy).
+  void matmul_t(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int k, uintptr_t offsets,
+                int E, uintptr_t g, int64_t ldg, uintptr_t out, int64_t ldo) {
+    const TypeInfo ti = type_info(qtype);
+    const int64_t* off = P<int64_t>(offsets);
+    const int nblocks = (k + ti.block_elems - 1) / ti.block_elems;
+    const int per = std::max(1, 256 / ti.block_elems);  // blocks per task (256 columns)
+    const int64_t chunks = (nblocks + per - 1) / per;
+    std::vector<int> experts;
+    for (int e = 0; e < E; ++e) if (off[e + 1] > off[e]) experts.push_back(e);
+    pool_.parallel_for((int64_t)experts.size() * chunks, [&](int64_t b, int64_t end, int) {
+      float buf[256];
+      for (int64_t job = b; job < end; ++job) {
+        const int e = experts[job / chunks];
+        const int b0 = (int)(job % chunks) * per, b1 = std::min(nblocks, b0 + per);
+        const int c0 = b0 * ti.block_elems, c1 = std::min(k, b1 * ti.block_elems);
+        const int64_t r0 = off[e], r1 = off[e + 1];
+        const uint8_t* we = P<uint8_t>(w) + e * expert_stride;
+        for (int n = 0; n < N; ++n) {
+          const uint8_t* row = we + n * row_bytes;
+          for (int ib = b0; ib < b1; ++ib)
+            dequant_block(qtype, row + (int64_t)ib * ti.block_bytes, buf + (ib - b0) * ti.block_elems);
+          for (int64_t r = r0; r < r1; ++r) {
+            const float gv = P<float>(g)[r * ldg + n];
+            if (gv != 0.f) k_.axpy(gv, buf, P<float>(out) + r * ldo + c0, c1 - c0);
+          }
+        }
+      }
+    });
+  }
+
+ private:
+  const Kernels& k_;
+  ktcore::ThreadPool pool_;
+  std::vector<Scratch> scratch_;
+};
+
+void dequantize(int qtype, uintptr_t src, int64_t nblocks, uintptr_t dst) {
+  const TypeInfo ti = type_info(qtype);
+  for (int64_t i = 0; i < nblocks; ++i)
+    dequant_block(qtype, P<uint8_t>(src) + i * ti.block_bytes, P<float>(dst) + i * ti.block_elems);
+}
+
+void quantize(int qtype, uintptr_t src, int64_t n, uintptr_t dst) { quantize_row(qtype, P<float>(src), n, P<uint8_t>(dst)); }
+
+}  // namespace
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "ktcore llamafile backend kernels (GGUF blocks; AVX-512 VNNI / AVX2 / scalar)";
+  m.def("cpu_has", &cpu_has, "avx2 (with fma, f16c) or vnni (AVX-512 VL/BW/VNNI)");
+  m.def("type_info", [](int t) {
+    TypeInfo ti = type_info(t);
+    return py::make_tuple(ti.block_elems, ti.block_bytes, ti.quantised, ti.has_min);
+  });
+  m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>());
+  m.def("quantize", &quantize, py::call_guard<py::gil_scoped_release>());
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<int, const std::string&>())
+      .def_property_readonly("num_threads", &Engine::num_threads)
+      .def_property_readonly("isa", &Engine::isa)
+      .def("quantize_act", &Engine::quantize_act, py::call_guard<py::gil_scoped_release>())
+      .def("matmul", &Engine::matmul, py::call_guard<py::gil_scoped_release>())
+      .def("matmul_t", &Engine::matmul_t, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,138 @@
+"""ExpertBackendContract for every block type, against the float64 reference on the dequantised weights."""
+
+import pytest
+import torch
+
+from ktcore.testing import ExpertBackendContract
+from ktcore.testing.contract import CASES, relative_error
+
+from ktcore_llamafile import blocks as B
+
+
+class _Quantised(ExpertBackendContract):
+    backend_name = "llamafile"
+    fmt = "q8_0"
+    rtol_out, rtol_grad = 2e-2, 4e-2
+    isa = None
+
+    @property
+    def kt_config(self):
+        return {"kt_expert_weight_format": self.fmt, "kt_num_threads": 2}
+
+    def make_backend(self, **kt):
+        from ktcore_llamafile.backend import LlamafileBackend
+
+        return LlamafileBackend({"kt_backend": "llamafile", **self.kt_config, **kt}, isa=self.isa)
+
+    def reference(self, weights, x, ids, w, lora, grad_y):
+        # the weights the backend really computes with: its blocks, dequantised
+        backend = self.make_backend()
+        dq = backend.dequantize(backend.pack(weights, self.activation))
+        return super().reference(dq, x, ids, w, lora, grad_y)
+
+
+class TestQ8_0(_Quantised):
+    fmt = "q8_0"
+
+
+class TestQ4_0(_Quantised):
+    fmt = "q4_0"
+
+
+class TestQ4_1(_Quantised):
+    fmt = "q4_1"
+
+
+class TestQ4_K(_Quantised):
+    fmt = "q4_k"
+
+
+class TestBF16(_Quantised):
+    fmt = "bf16"
+
+
+class TestF32(_Quantised):
+    fmt = "fp32"
+    rtol_out, rtol_grad = 1e-5, 1e-5
+
+
+class TestQ8_0Scalar(_Quantised):
+    fmt = "q8_0"
+    isa = "scalar"
+
+
+def _pair(fmt, seed=0, tokens=24):
+    from ktcore_llamafile.backend import LlamafileBackend
+    from ktcore.testing.contract import Case
+
+    case = Case(8, 512, 256, tokens, 2)
+    t = ExpertBackendContract()
+    weights, x, ids, w, lora = t.problem(case, seed=seed)
+    out = {}
+    for isa in ("scalar", "avx2"):
+        be = LlamafileBackend({"kt_expert_weight_format": fmt, "kt_num_threads": 2}, isa=isa)
+        packed = be.pack(weights)
+        y, ctx = be.forward(packed, x, ids, w, lora, save=True)
+        gx, gw, lg = be.backward(packed, ctx, torch.ones_like(x), lora)
+        out[isa] = (y, gx, gw, *[g for g in lg.tensors() if g is not None])
+    return out
+
+
+@pytest.mark.skipif(not __import__("ktcore_llamafile._ext", fromlist=["x"]).cpu_has("avx2"), reason="no AVX2")
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k", "bf16", "f16", "fp32"])
+def test_avx2_and_scalar_paths_agree_bitwise(fmt):
+    out = _pair(fmt)
+    for a, b in zip(out["scalar"], out["avx2"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_isa_switch(monkeypatch):
+    from ktcore_llamafile.backend import LlamafileBackend
+
+    monkeypatch.setenv("KTCORE_LLAMAFILE_ISA", "scalar")
+    assert LlamafileBackend({}).isa == "scalar"
+    monkeypatch.delenv("KTCORE_LLAMAFILE_ISA")
+    assert LlamafileBackend({}).isa in ("avx2", "avx512vnni")
+    with pytest.raises(ValueError):
+        LlamafileBackend({}, isa="sse9")
+
+
+def test_pack_blocks_from_raw_gguf_blocks_q5_k_q6_k():
+    """Experts given as raw blocks (Q5_K gate/up, Q6_K down, as in a Q5_K_M file) run without dequantising."""
+    from ktcore_llamafile.backend import LlamafileBackend
+    from ktcore.testing.contract import dense_reference
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, K = 4, 256, 512, 6, 2
+    rb = lambda k, t: B.row_bytes(k, t)  # noqa: E731
+    raw = lambda n, k, t: torch.randint(0, 256, (E, n, rb(k, t)), generator=g, dtype=torch.uint8)  # noqa: E731
+    gate, up, down = raw(I, H, "q5_k"), raw(I, H, "q5_k"), raw(H, I, "q6_k")
+    for arr, t, off in ((gate, "q5_k", (0, 2)), (up, "q5_k", (0, 2)), (down, "q6_k", (208,))):
+        elems, nbytes = B.block_info(t)
+        blocks = arr.view(-1, nbytes)
+        for o in off:  # small finite fp16 scales
+            scale = (torch.rand(blocks.shape[0], generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
+            blocks[:, o:o + 2] = scale
+    be = LlamafileBackend({"kt_num_threads": 2})
+    packed = be.pack_blocks(gate.numpy(), up.numpy(), down.numpy(), ("q5_k", "q5_k", "q6_k"), H, I)
+    assert packed.gate.blocks.data_ptr() == gate.data_ptr()  # zero-copy
+    x = torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    w = torch.rand(T, K, generator=g)
+    y, ctx = be.forward(packed, x, ids, w, save=True)
+    ref = dense_reference(be.dequantize(packed), x.double(), ids, w.double())
+    assert relative_error(y, ref) < 2e-2
+    gx, gw, _ = be.backward(packed, ctx, torch.ones_like(x))
+    xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    yr = dense_reference(be.dequantize(packed), xr, ids, wr)
+    rgx, rgw = torch.autograd.grad(yr, [xr, wr], torch.ones_like(yr))
+    assert relative_error(gx, rgx) < 4e-2 and relative_error(gw, rgw) < 4e-2
+
+
+def test_unsupported_format_is_explained():
+    from ktcore_llamafile.backend import LlamafileBackend
+    from ktcore.experts import ExpertWeights
+
+    be = LlamafileBackend({"kt_expert_weight_format": "q6_k"})
+    with pytest.raises(ValueError, match="read from GGUF files"):
+        be.pack(ExpertWeights(torch.zeros(1, 32, 32), torch.zeros(1, 32, 32), torch.zeros(1, 32, 32)))
