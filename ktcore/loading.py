@@ -181,9 +181,10 @@ def fill_model(model, config, open_weights, *, path, dtype, device, need_backwar
 
 
 def load_model(path, config=None, *, device=None, dtype=None, need_backward: bool = True,
-               progress: bool = True):
+               progress: bool = True, hf_config=None):
     """Load the HF model in ``path`` (a directory saved by save_pretrained, or a ``.gguf`` file) with routed
-    experts in the backend chosen by ``config``."""
+    experts in the backend chosen by ``config``. ``hf_config``: build from this (already adjusted) transformers
+    config instead of ``path``'s config.json (a training frontend that patches the config passes it)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
@@ -194,7 +195,7 @@ def load_model(path, config=None, *, device=None, dtype=None, need_backward: boo
                                progress=progress)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; pass a model directory saved by save_pretrained")
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = AutoConfig.from_pretrained(path) if hf_config is None else hf_config
     fp8_block = (128, 128)
     quant = getattr(hf_config, "quantization_config", None)
     if quant:  # FP8 block-scaled checkpoints (DeepSeek-V3) are dequantised while streaming

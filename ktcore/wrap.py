@@ -200,7 +200,15 @@ def install_resident(model, name: str, module, weights: ExpertWeights, arch: Arc
 def finish(model, kt, arch, backend, layers) -> None:
     if not arch.dense_mlp:  # dense MLPs were replaced by OffloadedMLP; MoE experts dispatch through HF
         register_experts_implementation()
-        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        try:
+            model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        except ValueError:
+            # transformers before ~5.2x (5.6 seen) validate the name against its built-in list, although the
+            # dispatch (ExpertsInterface.get_interface) serves any registered implementation: set it directly
+            for module in model.modules():
+                config = getattr(module, "config", None)
+                if hasattr(config, "_experts_implementation_internal"):
+                    config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
     on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers)
     model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
 

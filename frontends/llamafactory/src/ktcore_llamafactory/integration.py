@@ -1,0 +1,171 @@
+"""ktcore behind LLaMA-Factory's model loading.
+
+Three functions with the signatures that LLaMA-Factory releases with KT support call
+(``load_kt_pretrained_model``, ``get_kt_peft_model``, ``load_kt_peft_model``), backed by ktcore, and
+``load_model``: a drop-in for ``llamafactory.model.load_model`` that runs LLaMA-Factory's own config and model
+patching around them. ``ktcore_llamafactory.train.run`` installs ``load_model`` only for the duration of one
+training run (see ``train.patched_llamafactory``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ktcore.config import ConfigError, KTConfig
+
+# The TrainConfig of the run in progress (set by train.run); None when the functions are called directly.
+_ACTIVE_CFG = None
+
+
+def active_config():
+    return _ACTIVE_CFG
+
+
+def _kt_config() -> KTConfig:
+    return _ACTIVE_CFG.kt if _ACTIVE_CFG is not None else KTConfig()
+
+
+def _use_kt(model_args) -> bool:
+    if _ACTIVE_CFG is not None:
+        return bool(_ACTIVE_CFG.use_kt)
+    return True  # called directly (LLaMA-Factory's KT path): that is what the caller asked for
+
+
+def _dtype(model_args) -> torch.dtype:
+    """fp32 unless the run computes in bf16; fp16 training keeps fp32 weights (AMP casts), as in ktcore-trl."""
+    compute = getattr(model_args, "compute_dtype", None)
+    return torch.bfloat16 if compute == torch.bfloat16 else torch.float32
+
+
+def _adapter_path(model_args) -> Optional[str]:
+    value = getattr(model_args, "adapter_name_or_path", None)
+    if not value:
+        return None
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ConfigError(f"adapter_name_or_path: ktcore loads one adapter onto CPU experts, got {len(value)}; "
+                              "merge the others first (`ktcore export`)")
+        value = value[0]
+    return str(value)
+
+
+def load_kt_pretrained_model(config, model_args):
+    """The base model of ``model_args.model_name_or_path`` built from the transformers ``config`` (as
+    LLaMA-Factory patched it), with routed experts in the ktcore expert backend (``kt_config``)."""
+    import ktcore
+
+    return ktcore.load_model(model_args.model_name_or_path, _kt_config(), dtype=_dtype(model_args),
+                             hf_config=config, progress=False)
+
+
+def _arch_of(model):
+    from ktcore.wrap import find_arch
+
+    info = getattr(model, "ktcore", None)
+    return info.arch if info is not None else find_arch(model.config)
+
+
+def get_kt_peft_model(model, peft_kwargs: dict[str, Any]):
+    """PEFT-wrap ``model`` with a LoRA from LLaMA-Factory's ``peft_kwargs`` (r, target_modules, lora_alpha,
+    lora_dropout, ...). ``target_modules`` is resolved the ktcore way: ``all`` (or ``["all"]``) means the
+    architecture's linear layers plus routed-expert LoRA on gate_up_proj/down_proj; ``experts`` in a list adds
+    the routed experts. An explicit ``target_parameters`` is used as given."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    from ktcore.lora import lora_targets
+
+    kwargs = {k: v for k, v in dict(peft_kwargs).items() if v is not None}
+    targets = kwargs.pop("target_modules", "all")
+    params = kwargs.pop("target_parameters", None)
+    for flag in ("use_dora", "use_rslora"):
+        if kwargs.get(flag) is False:
+            kwargs.pop(flag)
+    if params is None:
+        names = targets if isinstance(targets, str) else ",".join(targets)
+        try:
+            modules, params = lora_targets(model, _arch_of(model), names)
+        except ValueError as exc:
+            raise ConfigError(f"lora_target: {exc}") from exc
+    else:
+        modules = [targets] if isinstance(targets, str) else list(targets)
+    if params and kwargs.get("use_dora"):
+        raise ConfigError("use_dora: DoRA is not available for routed-expert LoRA; drop use_dora or leave the "
+                          "experts out of lora_target")
+    if params and kwargs.get("lora_dropout"):
+        raise ConfigError(f"lora_dropout={kwargs['lora_dropout']}: PEFT's expert LoRA (target_parameters) has no "
+                          "dropout; set lora_dropout: 0, or leave the experts out of lora_target")
+    config = LoraConfig(task_type=TaskType.CAUSAL_LM, inference_mode=False, target_modules=modules or None,
+                        target_parameters=params or None, **kwargs)
+    return get_peft_model(model, config)
+
+
+def load_kt_peft_model(model_args, model, is_trainable: bool = True):
+    """``model`` with the adapter in ``model_args.adapter_name_or_path`` (incl. expert LoRA) loaded by PEFT."""
+    from peft import PeftModel
+
+    path = _adapter_path(model_args)
+    if path is None:
+        raise ConfigError("adapter_name_or_path is not set: nothing to load")
+    return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+
+
+def _peft_kwargs(finetuning_args) -> dict:
+    target = finetuning_args.lora_target
+    return {
+        "r": finetuning_args.lora_rank,
+        "target_modules": target if isinstance(target, str) else ",".join(target),
+        "lora_alpha": finetuning_args.lora_alpha,
+        "lora_dropout": finetuning_args.lora_dropout,
+        "use_rslora": finetuning_args.use_rslora,
+        "use_dora": finetuning_args.use_dora,
+        "modules_to_save": finetuning_args.additional_target,
+    }
+
+
+def load_model(tokenizer, model_args, finetuning_args, is_trainable: bool = False, add_valuehead: bool = False):
+    """``llamafactory.model.load_model`` with ktcore building the model and its LoRA.
+
+    LLaMA-Factory's own steps run around it: ``patch_config`` (dtype, attention implementation, MoE aux loss),
+    ``patch_model`` (gradient checkpointing, generation config), ``register_autoclass``, the fp32 upcast of
+    trainable parameters and its parameter report.
+    """
+    from llamafactory.extras.misc import count_parameters
+    from llamafactory.model import loader, patcher
+    from transformers import AutoModelForCausalLM
+
+    if add_valuehead:
+        raise ConfigError("the llamafactory frontend runs stage sft and dpo (no value-head models)")
+    if finetuning_args.finetuning_type != "lora":
+        raise ConfigError(f"finetuning_type {finetuning_args.finetuning_type!r}: ktcore trains LoRA only")
+    init_kwargs = loader._get_init_kwargs(model_args)
+    config = loader.load_config(model_args)
+    patcher.patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
+    if _use_kt(model_args):
+        model = load_kt_pretrained_model(config, model_args)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=config,
+                                                     dtype=_dtype(model_args),
+                                                     trust_remote_code=model_args.trust_remote_code)
+    patcher.patch_model(model, tokenizer, model_args, is_trainable, add_valuehead=False)
+    loader.register_autoclass(config, model, tokenizer)
+
+    if _adapter_path(model_args) is not None:
+        model = load_kt_peft_model(model_args, model, is_trainable=is_trainable)
+    elif is_trainable:
+        model = get_kt_peft_model(model, _peft_kwargs(finetuning_args))
+
+    if is_trainable:
+        if not finetuning_args.pure_bf16:
+            for param in filter(lambda p: p.requires_grad, model.parameters()):
+                param.data = param.data.to(torch.float32)
+        model.train()
+    else:
+        model.requires_grad_(False)
+        model.eval()
+    trainable, total = count_parameters(model)
+    expert = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".experts." in n)
+    print(f"[ktcore] trainable params: {trainable:,} (routed-expert LoRA: {expert:,}) || all params: {total:,}",
+          flush=True)
+    return model
