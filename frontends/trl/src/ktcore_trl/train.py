@@ -18,7 +18,9 @@ last one (``last_reference``) so tests can compare it with a fresh base model.
 
 Gradient checkpointing with CPU experts: transformers checkpoints whole decoder layers, so backward re-runs the
 layer's forward, routed experts included -- a second CPU expert forward per layer, although
-``kt_cpu_activation: retain`` already kept what the experts' backward needs. With ``use_kt`` the frontend
+``kt_cpu_activation: retain`` already kept what the experts' backward needs. (torch's early stop of a
+non-reentrant recompute hides this only where nothing after the experts saves a tensor, as in Qwen3-MoE;
+DeepSeek's shared experts run after them.) With ``use_kt`` the frontend
 therefore checkpoints only the attention blocks and dense MLPs (``checkpoint_non_experts``); the routed experts
 run once forward and keep (retain) or recompute (recompute) their own activations, as configured.
 """
@@ -354,6 +356,35 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
             super().__init__(*args, **kwargs)
             self._kt_init()
             self.micro_batches = []  # per training micro-batch: the numbers the loss was computed from
+            if cfg.precompute_ref_log_probs:
+                self.train_dataset = self._precompute_reference(self.train_dataset)
+                self.precompute_ref_logps = True
+
+        def _precompute_reference(self, dataset):
+            """ref_chosen_logps / ref_rejected_logps columns, computed before step one with every adapter off.
+
+            (TRL's own precompute fingerprints the model by hashing its state_dict, which cannot read the
+            zero-storage expert placeholders; the reference pass itself is TRL's ``compute_ref_log_probs``.)
+            """
+            import torch
+            from torch.utils.data import DataLoader
+            from tqdm.auto import tqdm
+
+            batch_size = self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+            loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
+            chosen, rejected = [], []
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                for batch in tqdm(loader, desc="reference log-probs", disable=self.args.disable_tqdm):
+                    c, r = self.compute_ref_log_probs(self.model, self._prepare_inputs(batch))
+                    chosen += c.float().cpu().tolist()
+                    rejected += r.float().cpu().tolist()
+            finally:
+                self.model.train(was_training)
+            fingerprint = f"{dataset._fingerprint}-ref"
+            dataset = dataset.add_column("ref_chosen_logps", chosen, new_fingerprint=fingerprint + "c")
+            return dataset.add_column("ref_rejected_logps", rejected, new_fingerprint=fingerprint + "r")
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             if "prompt_ids" in dataset.column_names:  # tokenized by ktcore_trl.data (template, cutoff_len)
@@ -398,8 +429,12 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
                 self._count_tokens(inputs)
             return result
 
+    # The MoE load-balancing loss is added only when the model config asks for router logits, as in SFT
+    # (transformers' own loss); otherwise the DPO loss is exactly the pref_loss formula.
+    router_aux = getattr(model.config.get_text_config(), "output_router_logits", False)
     args = DPOConfig(**trainer_kwargs(cfg, DPOConfig), beta=cfg.pref_beta, loss_type=[PREF_LOSSES[cfg.pref_loss]],
-                     max_length=None, precompute_ref_log_probs=cfg.precompute_ref_log_probs, dataset_num_proc=None)
+                     max_length=None, precompute_ref_log_probs=False, dataset_num_proc=None,  # precomputed above
+                     router_aux_loss_coef=None if router_aux else 0.0)
     return KtDPOTrainer(model=model, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks), peft_config=peft_config)
 
