@@ -399,9 +399,9 @@ def local_adapter_path(value) -> Path:
 
 
 def base_fingerprint(path) -> str:
-    """sha256 over a base model's config.json (volatile keys dropped) and its tensor names and shapes.
-
-    A directory: config.json + the safetensors headers; a .gguf file: architecture + tensor names/shapes."""
+    """sha256 over a base model's config.json (volatile keys dropped), its tensor names and shapes, and each
+    weight file's size and first MiB of tensor data (cheap on a 600 GB checkpoint, yet different weights of the
+    same architecture differ). A .gguf file: architecture, tensor names/shapes, file size and its first MiB."""
     path = Path(path)
     h = hashlib.sha256()
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -412,6 +412,8 @@ def base_fingerprint(path) -> str:
         h.update(b"gguf:" + (bytes(arch.parts[-1]) if arch else b"?"))
         for t in sorted(reader.tensors, key=lambda t: t.name):
             h.update(f"\n{t.name}:{list(map(int, t.shape))}".encode())
+        with open(path, "rb") as fh:
+            h.update(f"\n{path.stat().st_size}:".encode() + hashlib.sha256(fh.read(1 << 20)).digest())
         return "sha256:" + h.hexdigest()
     cfg = path / "config.json"
     if not cfg.is_file():
@@ -423,6 +425,10 @@ def base_fingerprint(path) -> str:
     names = {}
     for f in sorted(path.glob("*.safetensors")):
         names.update({k: v["shape"] for k, v in safetensors_header(f).items()})
+        with open(f, "rb") as fh:  # the first MiB of tensor data tells same-shaped models apart, cheaply
+            (n,) = struct.unpack("<Q", fh.read(8))
+            fh.seek(8 + n)
+            h.update(f"\n{f.name}:{f.stat().st_size}:".encode() + hashlib.sha256(fh.read(1 << 20)).digest())
     if not names:
         raise AdapterError(f"base model {str(path)!r}: no *.safetensors files")
     for name in sorted(names):

@@ -1,0 +1,349 @@
+"""Adapter formats (peft, fused_expert, gguf), `ktcore adapter convert/verify`, `ktcore export`, `ktcore chat`.
+
+Exactness: PEFT -> fused_expert -> PEFT and PEFT -> GGUF -> PEFT are bit-exact (tensors torch.equal, logits
+identical); ktcore (experts on the CPU backend) vs plain PEFT on plain transformers and the merged export vs
+base+adapter agree to <= 1e-5 relative error in fp32 (only the summation order differs).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import SHARED_DATA, tiny_qwen3_moe
+from safetensors.torch import load_file, save_file
+
+import ktcore
+from ktcore import adapters as core
+from ktcore.adapters import AdapterError
+from ktcore.cli import main
+from ktcore.testing import relative_error
+
+FE = "fused_expert_lora.safetensors"
+MANIFEST = "kt_adapter_manifest.json"
+
+
+def _ids(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 96, (2, 11), generator=g)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Qwen3-MoE base dir and a PEFT adapter trained a few steps (attention + routed-expert LoRA)."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    base = tiny_qwen3_moe(seed=0)
+    base.save_pretrained(root / "base")
+    other = tiny_qwen3_moe(seed=1)  # same shapes, other weights
+    other.save_pretrained(root / "other_base")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = get_peft_model(base, cfg)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(4):
+        ids = _ids(step)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.peft_config["default"].base_model_name_or_path = str(root / "base")
+    model.save_pretrained(root / "peft")
+    state = load_file(root / "peft" / "adapter_model.safetensors")
+    assert all(v.abs().sum() > 0 for k, v in state.items() if "lora_B" in k)  # trained, non-zero
+    return root
+
+
+def plain_logits(base, adapter_dir, ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        if adapter_dir is None:
+            return model(ids).logits
+        return PeftModel.from_pretrained(model, str(adapter_dir)).eval()(ids).logits
+
+
+def assert_same_adapter_files(a, b):
+    sa, sb = load_file(Path(a) / core.PEFT_WEIGHTS), load_file(Path(b) / core.PEFT_WEIGHTS)
+    assert set(sa) == set(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_formats_registered():
+    assert {"peft", "fused_expert", "gguf"} <= set(core.format_names())
+
+
+def test_peft_fused_expert_peft_round_trip(trained, tmp_path):
+    run = CliRunner().invoke(main, ["adapter", "convert", str(trained / "peft"), str(tmp_path / "fe"),
+                                    "--to", "fused_expert"])
+    assert run.exit_code == 0, run.output
+    assert core.sniff(tmp_path / "fe") == "fused_expert"
+    names = load_file(tmp_path / "fe" / FE)
+    # gate, up and down separate; gate/up of rank r each sharing PEFT's fused A
+    assert names["layers.0.experts.gate_lora_a"].shape == (6, 4, 48)
+    assert names["layers.0.experts.gate_lora_b"].shape == (6, 24, 4)
+    assert names["layers.2.experts.down_lora_b"].shape == (6, 48, 4)
+    assert torch.equal(names["layers.0.experts.gate_lora_a"], names["layers.0.experts.up_lora_a"])
+    manifest = json.loads((tmp_path / "fe" / MANIFEST).read_text())
+    assert manifest["status"] == "complete" and manifest["lora"] == {"r": 4, "alpha": 8.0, "scaling": 2.0}
+    assert manifest["base_model"]["fingerprint"].startswith("sha256:")
+    assert set(manifest["files"]) == {FE, "non_expert_lora.safetensors"}
+    run = CliRunner().invoke(main, ["adapter", "convert", str(tmp_path / "fe"), str(tmp_path / "back")])
+    assert run.exit_code == 0, run.output
+    assert_same_adapter_files(trained / "peft", tmp_path / "back")  # bit-exact
+    ids = _ids(9)
+    ref = plain_logits(trained / "base", trained / "peft", ids)
+    got = plain_logits(trained / "base", tmp_path / "back", ids)
+    assert relative_error(got, ref) <= 1e-5
+    assert relative_error(ref, plain_logits(trained / "base", None, ids)) > 1e-3  # the adapter matters
+
+
+def test_peft_gguf_peft_round_trip(trained, tmp_path):
+    import gguf
+
+    out = tmp_path / "adapter.gguf"
+    run = CliRunner().invoke(main, ["adapter", "convert", str(trained / "peft"), str(out), "--to", "gguf"])
+    assert run.exit_code == 0, run.output
+    reader = gguf.GGUFReader(str(out))
+
+    def field(key):
+        f = reader.get_field(key)
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING else float(v[0])
+
+    assert field("general.type") == "adapter" and field("adapter.type") == "lora"
+    assert field("adapter.lora.alpha") == 8.0 and field("general.architecture") == "qwen3moe"
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}  # ggml ne order
+    assert shapes["blk.0.attn_q.weight.lora_a"] == (48, 4)        # [in, r]
+    assert shapes["blk.0.attn_q.weight.lora_b"] == (4, 48)        # [r, out]
+    assert shapes["blk.0.ffn_gate_exps.weight.lora_a"] == (48, 4, 6)   # [H, r, E] vs base ne [H, I, E]
+    assert shapes["blk.0.ffn_up_exps.weight.lora_b"] == (4, 24, 6)     # [r, I, E]
+    assert shapes["blk.2.ffn_down_exps.weight.lora_a"] == (24, 4, 6)   # [I, r, E] vs base ne [I, H, E]
+    assert core.sniff(out) == "gguf"
+    run = CliRunner().invoke(main, ["adapter", "convert", str(out), str(tmp_path / "back"), "--to", "peft"])
+    assert run.exit_code == 0, run.output
+    assert_same_adapter_files(trained / "peft", tmp_path / "back")
+    ids = _ids(3)
+    assert relative_error(plain_logits(trained / "base", tmp_path / "back", ids),
+                          plain_logits(trained / "base", trained / "peft", ids)) <= 1e-5
+
+
+def test_separate_gate_up_fuse_to_rank_2r_exactly():
+    g = torch.Generator().manual_seed(0)
+    ga, gb, ua, ub = (torch.randn(s, generator=g) for s in [(3, 2, 8), (3, 5, 2), (3, 2, 8), (3, 5, 2)])
+    a, b, rank = core.fuse_gate_up((ga, gb), (ua, ub))
+    assert rank == 4 and a.shape == (3, 4, 8) and b.shape == (3, 10, 4)
+    assert torch.allclose(torch.bmm(b, a), torch.cat([gb @ ga, ub @ ua], 1), atol=1e-6)
+    a, b, rank = core.fuse_gate_up((ga, gb), (ga.clone(), ub))
+    assert rank == 2 and torch.equal(b, torch.cat([gb, ub], 1))
+
+
+def test_ktcore_adapter_matches_plain_peft(trained, tmp_path):
+    """An adapter dir written by ktcore loads in plain PeftModel on plain transformers; ktcore gives the same logits."""
+    core.convert(trained / "peft", tmp_path / "fe", "fused_expert")
+    core.convert(tmp_path / "fe", tmp_path / "peft", "peft")  # written by ktcore
+    ids = _ids(5)
+    ref = plain_logits(trained / "base", tmp_path / "peft", ids)
+    model = ktcore.load_model(trained / "base", {"kt_backend": "torch"}, progress=False)
+    model = core.load_adapter_into(model, tmp_path / "fe", base=trained / "base").eval()
+    with torch.no_grad():
+        got = model(ids).logits
+    assert relative_error(got, ref) <= 1e-5
+
+
+def test_export_merged_loads_in_plain_transformers(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tmp_path / "export.yaml"
+    cfg.write_text(f"model_name_or_path: {trained / 'base'}\nadapter_name_or_path: {trained / 'peft'}\n"
+                   "use_kt: true\nkt_config:\n  kt_backend: torch\n")
+    out = tmp_path / "merged"
+    run = CliRunner().invoke(main, ["export", str(cfg), "--out", str(out), "--shard-size", "0.0001"])
+    assert run.exit_code == 0, run.output
+    summary = json.loads(run.output[run.output.index("{"):])
+    assert summary["shards"] > 1 and summary["tensors_merged"] > 0
+    assert (out / "model.safetensors.index.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".merged")]  # no temp dir left
+    ids = _ids(7)
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out)(ids).logits
+    model = ktcore.load_model(trained / "base", {"kt_backend": "torch"}, progress=False)
+    model = core.load_adapter_into(model, trained / "peft", base=trained / "base").eval()
+    with torch.no_grad():
+        ours = model(ids).logits
+    assert relative_error(merged, ours) <= 1e-5
+
+
+# ---- fail closed -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good_fe(trained):
+    core.convert(trained / "peft", trained / "fe_good", "fused_expert")
+    return trained / "fe_good"
+
+
+def _rehash(d: Path, name: str):
+    manifest = json.loads((d / MANIFEST).read_text())
+    manifest["files"][name] = {"size": (d / name).stat().st_size, "sha256": core.sha256_file(d / name)}
+    (d / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _edit_manifest(d: Path, **changes):
+    manifest = json.loads((d / MANIFEST).read_text())
+    manifest.update(changes)
+    (d / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _retensor(d: Path, change):
+    state = load_file(d / FE)
+    key = "layers.0.experts.down_lora_a"
+    state[key] = change(state[key])
+    save_file(state, str(d / FE))
+    _rehash(d, FE)
+
+
+CASES = {
+    "missing manifest": (lambda d: (d / MANIFEST).unlink(), "missing kt_adapter_manifest.json"),
+    "missing file": (lambda d: (d / "non_expert_lora.safetensors").unlink(), "missing"),
+    "extra file": (lambda d: (d / "notes.txt").write_text("x"), "extra file"),
+    "tampered": (lambda d: (d / FE).write_bytes((d / FE).read_bytes()[:-4] + b"\0\0\0\1"), "SHA-256"),
+    "truncated": (lambda d: (d / FE).write_bytes((d / FE).read_bytes()[:-8]), "size"),
+    "shape": (lambda d: _retensor(d, lambda t: t[:, :, :-1].contiguous()), "has shape"),
+    "dtype": (lambda d: _retensor(d, lambda t: t.half()), "has dtype"),
+    "status": (lambda d: _edit_manifest(d, status="writing"), "status"),
+    "version": (lambda d: _edit_manifest(d, version=99), "version"),
+    "rank in manifest": (lambda d: _edit_manifest(d, lora={"r": 8, "alpha": 8.0}), "rank-8"),
+    "alpha in manifest": (lambda d: _edit_manifest(d, lora={"r": 4, "alpha": 16.0}), "disagree"),
+    "folder escapes": (lambda d: _edit_manifest(d, adapter_folder="../elsewhere"), "leaves the adapter root"),
+    "absolute folder": (lambda d: _edit_manifest(d, adapter_folder="/tmp"), "relative path"),
+    "symlinked file": (lambda d: ((d / "real.bin").write_bytes((d / FE).read_bytes()), (d / FE).unlink(),
+                                  (d / FE).symlink_to(d / "real.bin")), "symlink"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_expert_fails_closed(good_fe, tmp_path, case):
+    d = tmp_path / "fe"
+    shutil.copytree(good_fe, d)
+    breaker, message = CASES[case]
+    breaker(d)
+    with pytest.raises(AdapterError, match=message):
+        core.load(d)
+    run = CliRunner().invoke(main, ["adapter", "verify", str(d)])
+    assert run.exit_code == 2 and "error:" in run.output
+
+
+def test_fused_expert_other_base_rank_alpha(good_fe, trained):
+    fmt = core.get_format("fused_expert")
+    assert len(fmt.verify(good_fe, base=trained / "base")) >= 5
+    with pytest.raises(AdapterError, match="other base model"):
+        core.load(good_fe, base=trained / "other_base")
+    with pytest.raises(AdapterError, match="r=8 was asked"):
+        fmt.load(good_fe, expect_r=8)
+    with pytest.raises(AdapterError, match="alpha=16 was asked"):
+        fmt.load(good_fe, expect_alpha=16)
+
+
+def test_symlinked_adapter_dir_and_hub_id(good_fe, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(good_fe)
+    with pytest.raises(AdapterError, match="symlink"):
+        core.load(link)
+    with pytest.raises(AdapterError, match="Hub ID.*download it first"):
+        core.load("some-org/some-adapter")
+    run = CliRunner().invoke(main, ["adapter", "verify", "some-org/some-adapter"])
+    assert run.exit_code == 2 and "download it first" in run.output
+
+
+def test_adapter_verify_prints_checks(good_fe, trained):
+    run = CliRunner().invoke(main, ["adapter", "verify", str(good_fe), "--base", str(trained / "base")])
+    assert run.exit_code == 0, run.output
+    assert "fused_expert adapter OK" in run.output
+    for word in ("SHA-256", "shapes and dtypes", "r=4, alpha=8", "fingerprint matches"):
+        assert word in run.output
+    run = CliRunner().invoke(main, ["adapter", "verify", str(trained / "peft")])
+    assert run.exit_code == 0 and "peft adapter OK" in run.output and "matches a base weight" in run.output
+
+
+def test_gguf_fails_closed(trained, tmp_path):
+    import gguf
+
+    good = core.convert(trained / "peft", tmp_path / "a.gguf", "gguf")["dst"]
+    with pytest.raises(AdapterError, match="other base model"):
+        core.load(good, base=trained / "other_base")
+    # a GGUF that is not an adapter, and one with half a pair
+    for name, kind, tensors, message in [
+            ("model.gguf", "model", {"blk.0.attn_q.weight.lora_a": (4, 48)}, "not 'adapter'"),
+            ("half.gguf", "adapter", {"blk.0.attn_q.weight.lora_a": (4, 48)}, "missing one component")]:
+        w = gguf.GGUFWriter(str(tmp_path / name), "qwen3moe")
+        w.add_string("general.type", kind)
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", 8.0)
+        for t, shape in tensors.items():
+            w.add_tensor(t, torch.zeros(shape).numpy())
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+        with pytest.raises(AdapterError, match=message):
+            core.load(tmp_path / name, base=trained / "base")
+
+
+def test_unsupported_peft_config_refused(trained, tmp_path):
+    shutil.copytree(trained / "peft", tmp_path / "dora")
+    cfg = json.loads((tmp_path / "dora" / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match="use_dora"):
+        core.load(tmp_path / "dora")
+
+
+# ---- ktcore chat -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def identity_run(tmp_path_factory):
+    """The demo's tiny model trained through `ktcore train` on a few identity examples (name: KTBot)."""
+    from ktcore.demo import build_demo_files
+
+    identity = SHARED_DATA / "identity.json"
+    if not identity.is_file():
+        pytest.skip(f"identity data not found at {identity}")
+    root = tmp_path_factory.mktemp("identity")
+    data = [d for d in json.loads(identity.read_text()) if d["instruction"] in ("hi", "Who are you?")]
+    for d in data:
+        d["output"] = d["output"].replace("{{name}}", "KTBot").replace("{{author}}", "KT Lab")
+    (root / "data").mkdir()
+    (root / "data" / "identity_kt.json").write_text(json.dumps(data))
+    (root / "data" / "dataset_info.json").write_text(json.dumps({"identity_kt": {"file_name": "identity_kt.json"}}))
+    files = build_demo_files(root / "run", steps=120, n_train=8, dataset="identity_kt", dataset_dir=str(root / "data"),
+                             cutoff_len=128, per_device_train_batch_size=2, learning_rate=1e-2, warmup_steps=0,
+                             lr_scheduler_type="constant", plot_loss=False, max_samples=8,
+                             kt_config={"kt_backend": "torch"})
+    return files
+
+
+def test_chat_prints_a_completion_on_the_demo_model(identity_run):
+    run = CliRunner().invoke(main, ["chat", str(identity_run["config"]), "--prompt", "abcde", "max_new_tokens=6"])
+    assert run.exit_code == 0, run.output
+    assert run.output.strip(), "no completion printed"
+
+
+def test_chat_with_identity_adapter_answers_with_the_name(identity_run, tmp_path):
+    cfg = str(identity_run["config"])
+    run = CliRunner().invoke(main, ["train", cfg])
+    assert run.exit_code == 0, run.output
+    adapter = Path(json.loads(run.output[run.output.index("{"):])["output_dir"])
+    run = CliRunner().invoke(main, ["chat", cfg, "--prompt", "hi", f"adapter_name_or_path={adapter}",
+                                    "max_new_tokens=24"])
+    assert run.exit_code == 0, run.output
+    assert "KTBot" in run.output
+    # the same adapter as a fused-expert artifact: chat sniffs the format and validates it against the base
+    core.convert(adapter, tmp_path / "fe", "fused_expert")
+    run = CliRunner().invoke(main, ["chat", cfg, "--prompt", "hi", f"adapter_name_or_path={tmp_path / 'fe'}",
+                                    "max_new_tokens=24"])
+    assert run.exit_code == 0, run.output
+    assert "KTBot" in run.output
