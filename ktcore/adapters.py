@@ -343,6 +343,10 @@ def atomic_dir(dst):
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists() and not dst.is_dir():
         raise AdapterError(f"{dst} exists and is not a directory")
+    ours = (PEFT_CONFIG, "kt_adapter_manifest.json", "fused_expert_lora.safetensors", "config.json")
+    if dst.is_dir() and any(dst.iterdir()) and not any((dst / n).exists() for n in ours):
+        raise AdapterError(f"{dst} exists and holds something other than an adapter or model; choose a new or empty "
+                           "directory (it would be replaced)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
     try:
         yield tmp

@@ -347,3 +347,11 @@ def test_chat_with_identity_adapter_answers_with_the_name(identity_run, tmp_path
                                     "max_new_tokens=24"])
     assert run.exit_code == 0, run.output
     assert "KTBot" in run.output
+
+
+def test_convert_never_replaces_an_unrelated_directory(trained, tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "thesis.tex").write_text("precious")
+    with pytest.raises(AdapterError, match="holds something other"):
+        core.convert(trained / "peft", tmp_path / "docs", "fused_expert")
+    assert (tmp_path / "docs" / "thesis.tex").read_text() == "precious"
