@@ -98,7 +98,7 @@ def test_sft_loss_falls(sft_run):
     losses = summary["losses"]
     assert summary["frontend"] == "llamafactory" and summary["steps"] == 24 and len(losses) == 24
     assert all(math.isfinite(x) for x in losses)
-    assert _mean(losses[-4:]) < 0.7 * _mean(losses[:4]), losses
+    assert _mean(losses[-4:]) < 0.85 * _mean(losses[:4]), losses
     assert summary["expert_lora_params"] > 0 and summary["kt_backend"]
     assert Path(summary["loss_plot"]).is_file()
 

@@ -127,6 +127,12 @@ def llamafactory_args(cfg: TrainConfig) -> dict:
     }
     if cfg.stage == "dpo":
         args.update(pref_beta=cfg.pref_beta, pref_loss=cfg.pref_loss)
+    aux = _router_aux_loss_coef(cfg.model_name_or_path)
+    if aux:
+        # The MoE load-balancing loss, as the model's config defines it. TRL's trainers switch
+        # output_router_logits on for MoE models, LLaMA-Factory only when moe_aux_loss_coef is set: setting it
+        # to the model's own coefficient gives both frontends the same objective (and the same step losses).
+        args["moe_aux_loss_coef"] = aux
     if cfg.template not in (None, "", "default"):  # 'default': the tokenizer's own template, LLaMA-Factory's None
         args["template"] = cfg.template
     optional = {"adapter_name_or_path": cfg.adapter_name_or_path, "eval_dataset": cfg.eval_dataset,
@@ -143,6 +149,18 @@ def llamafactory_args(cfg: TrainConfig) -> dict:
     if cfg.overwrite_output_dir:
         args["overwrite_output_dir"] = True
     return args
+
+
+def _router_aux_loss_coef(model_dir):
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    value = config.get("router_aux_loss_coef")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 # ---- the scoped patch ----------------------------------------------------------------------------------------
