@@ -266,3 +266,25 @@ def test_gradient_checkpointing_runs_cpu_experts_once(model_dir):
     print(f"CPU expert forwards per step: none {calls['forward']}, ktcore checkpointing {k_calls['forward']}, "
           f"transformers' whole-layer checkpointing {t_calls['forward']}")
     assert t_calls["forward"] == 2 * calls["forward"], "what the frontend avoids: whole-layer recompute"
+
+
+# ---- bad DPO input: one line, before any model is loaded ----------------------------------------------------
+
+
+@pytest.mark.parametrize("keys, expected", [
+    ({"dataset": "identity"}, "dataset 'identity' is an SFT dataset but stage 'dpo' needs preference pairs"),
+    ({"cutoff_len": 1}, "no preference pair keeps two different answers after cutoff_len=1"),
+    ({"pref_beta": 0.0}, "pref_beta must be > 0"),
+])
+def test_bad_dpo_inputs(tmp_path, model_dir, shared_data, monkeypatch, keys, expected):
+    import ktcore_trl.train as train
+    from ktcore.config import ConfigError
+    from ktcore.frontends import run_frontend
+
+    def refuse(cfg):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(train, "load_base_model", refuse)
+    with pytest.raises(ConfigError) as err:
+        run_frontend("trl", _cfg(tmp_path, model_dir, shared_data, **keys))
+    assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -75,6 +75,13 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.adapter_name_or_path and not (Path(cfg.adapter_name_or_path) / "adapter_config.json").is_file():
         raise ConfigError(f"{where}: adapter_name_or_path {cfg.adapter_name_or_path!r} has no adapter_config.json; "
                           "point it at a directory written by save_pretrained")
+    reporters = [cfg.report_to] if isinstance(cfg.report_to, str) else list(cfg.report_to or [])
+    if "tensorboard" in reporters or "all" in reporters:
+        import importlib.util
+
+        if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+            raise ConfigError(f"{where}: report_to: tensorboard needs the tensorboard package; pip install "
+                              "tensorboard (or ktcore-trl[tensorboard]), or set report_to: none")
     if cfg.stage == "dpo":
         if cfg.pref_loss not in PREF_LOSSES:
             raise ConfigError(f"{where}: pref_loss {cfg.pref_loss!r} is not one of {', '.join(PREF_LOSSES)}")
