@@ -67,3 +67,19 @@ def test_upcycled_moe_answers_paris_through_ktcore(smollm2, arch):
     with torch.no_grad():
         assert relative_error(ours(prompt).logits, logits) <= 1e-5
     assert "Paris" in answer(ours, tokenizer, prompt)
+
+
+def test_chat_command_answers_paris(smollm2, capfd):
+    """`ktcore chat examples/smollm2.yaml --prompt ...`: GGUF streamed by ktcore, MLPs on the CPU backend."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from ktcore.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "smollm2.yaml"
+    result = CliRunner().invoke(main, ["chat", str(example), "--prompt", "What is the capital of France?",
+                                       "kt_config.kt_backend=torch", "max_new_tokens=16"])
+    assert result.exit_code == 0, result.output
+    streamed = capfd.readouterr().out + result.output
+    assert "Paris" in streamed
