@@ -349,7 +349,7 @@ def make_sft_trainer(model, tokenizer, dataset, cfg, callbacks=()):
 
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-               "logps/rejected")
+               "logps/rejected", "aux_loss")
 
 
 def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=None):
@@ -436,12 +436,10 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
                 self._count_tokens(inputs)
             return result
 
-    # The MoE load-balancing loss is added only when the model config asks for router logits, as in SFT
-    # (transformers' own loss); otherwise the DPO loss is exactly the pref_loss formula.
-    router_aux = getattr(model.config.get_text_config(), "output_router_logits", False)
+    # The MoE load-balancing loss (coefficient: the model config's router_aux_loss_coef) stays in the objective,
+    # TRL's default for both SFT and DPO, and what the llamafactory frontend matches; micro_batches keep it apart.
     args = DPOConfig(**trainer_kwargs(cfg, DPOConfig), beta=cfg.pref_beta, loss_type=[PREF_LOSSES[cfg.pref_loss]],
-                     max_length=None, precompute_ref_log_probs=False, dataset_num_proc=None,  # precomputed above
-                     router_aux_loss_coef=None if router_aux else 0.0)
+                     max_length=None, precompute_ref_log_probs=False, dataset_num_proc=None)  # precomputed above
     return KtDPOTrainer(model=model, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks), peft_config=peft_config)
 
