@@ -195,3 +195,38 @@ def test_gpu_attention_cpu_experts_bf16(tmp_path):
     (plain_logits, plain_grads), (our_logits, our_grads) = err("plain_bf16"), err("ours")
     assert our_logits <= max(2 * plain_logits, 1e-2), (our_logits, plain_logits)
     assert our_grads <= max(2 * plain_grads, 5e-2), (our_grads, plain_grads)
+
+
+def _usable(name):
+    from ktcore.select import resolve_backend
+
+    reasons = resolve_backend("auto", need_backward=True, need_lora=True).reasons
+    if name not in reasons:
+        return f"backend {name!r} is not installed"
+    why = reasons[name]
+    return None if why is None or why.startswith("usable") else why
+
+
+@pytest.mark.parametrize("backend", ["torch", "amx_bf16"])
+def test_bf16_backend_is_as_close_as_transformers_bf16(backend):
+    """The equivalence test at bf16 tolerance (for amx_bf16: the core issue's test with kt_backend amx_bf16):
+    ktcore in bf16 must be about as close to the fp32 truth as plain transformers in bf16 is."""
+    why = _usable(backend)
+    if why:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    plain = tiny_qwen3_moe(seed=12)
+    truth = copy.deepcopy(plain)
+    plain_bf16 = copy.deepcopy(plain).to(torch.bfloat16)
+    ours = ktcore.wrap_model(copy.deepcopy(plain).to(torch.bfloat16), {"kt_backend": backend})
+    truth, plain_bf16 = peft_pair(truth, plain_bf16)
+    torch.manual_seed(7)
+    ours = get_peft_model(ours, lora_config())
+    ids, mask = batch(12)
+    ref_out, ref_grads = lora_grads(truth, ids, mask)
+    errors = {}
+    for name, model in (("plain_bf16", plain_bf16), ("ours", ours)):
+        out, grads = lora_grads(model, ids, mask)
+        errors[name] = (relative_error(out.logits.float(), ref_out.logits),
+                        max(relative_error(grads[n].float(), ref_grads[n]) for n in ref_grads))
+    assert errors["ours"][0] <= max(2 * errors["plain_bf16"][0], 1e-2), errors
+    assert errors["ours"][1] <= max(2 * errors["plain_bf16"][1], 5e-2), errors
