@@ -14,7 +14,7 @@
 # same machine downloads nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=.venv-llamafactory
+VENV=${KTCORE_LLAMAFACTORY_VENV:-.venv-llamafactory}
 PY=${PYTHON:-python3}
 WHEELS=${KTCORE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ktcore/wheels}
 STAMP=$VENV/.ktcore-setup-v1
@@ -26,15 +26,24 @@ PINNED=(llamafactory==0.9.5 transformers==5.6.0 peft==0.21.0 trl==0.24.0 dataset
 LIGHT=(omegaconf pydantic fire "tyro<0.9" einops sentencepiece tiktoken pandas scipy matplotlib protobuf
        pluggy click pyyaml tqdm safetensors pytest)
 
+quiet_pip() {  # pip, without its warning for every package the machine's local mirrors do not carry
+    local log rc=0
+    log=$(mktemp)
+    "$@" 2>"$log" || rc=$?
+    grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
+    rm -f "$log"
+    return $rc
+}
+
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import llamafactory.train.tuner, ktcore, ktcore_llamafactory" 2>/dev/null; then
-    "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e . -e frontends/llamafactory >/dev/null
+    quiet_pip "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . -e frontends/llamafactory >/dev/null
     echo "setup_llamafactory: $VENV ready (checked in $(( $(date +%s) - start ))s)"
     exit 0
 fi
 
 mkdir -p "$WHEELS"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip)
+pip=(quiet_pip "$VENV/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade "pip>=24" setuptools wheel
 
 # torch's build decides everything else: pin it for every later step

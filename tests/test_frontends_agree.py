@@ -8,6 +8,11 @@ does not depend on either trainer's shuffling; the LoRA B factors start at zero,
 matter either. What is compared is what matters: template rendering, tokenization, prompt masking, padding
 and the loss normalisation of each frontend, on the same ktcore model. DPO's first step is log(2) in both
 (policy == reference), which is checked too when the TRL frontend runs DPO.
+
+The model asks for router logits (output_router_logits: true), so both objectives include the MoE load-balancing
+loss. Without that, the SFT losses differ by router_aux_loss_coef x the aux loss (2.5e-3 on this model): trl
+1.16's SFTTrainer switches output_router_logits on for every MoE model by itself, while LLaMA-Factory (and the
+trl frontend's DPO) add the aux loss only when the config asks for it.
 """
 
 import json
@@ -45,7 +50,7 @@ def tiny_model_dir(tmp_path):
     tokenizer = build_byte_tokenizer()
     model = build_tiny_moe(tokenizer, seed=0, hidden_size=48, moe_intermediate_size=32, num_experts=6,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
-                           max_position_embeddings=1024)
+                           max_position_embeddings=1024, output_router_logits=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

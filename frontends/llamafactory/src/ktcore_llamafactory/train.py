@@ -129,9 +129,8 @@ def llamafactory_args(cfg: TrainConfig) -> dict:
         args.update(pref_beta=cfg.pref_beta, pref_loss=cfg.pref_loss)
     aux = _router_aux_loss_coef(cfg.model_name_or_path)
     if aux:
-        # The MoE load-balancing loss, as the model's config defines it. TRL's trainers switch
-        # output_router_logits on for MoE models, LLaMA-Factory only when moe_aux_loss_coef is set: setting it
-        # to the model's own coefficient gives both frontends the same objective (and the same step losses).
+        # The MoE load-balancing loss is added when the model config asks for router logits (as in the trl
+        # frontend); LLaMA-Factory adds it only when moe_aux_loss_coef is set, so it gets the model's coefficient.
         args["moe_aux_loss_coef"] = aux
     if cfg.template not in (None, "", "default"):  # 'default': the tokenizer's own template, LLaMA-Factory's None
         args["template"] = cfg.template
@@ -160,6 +159,8 @@ def _router_aux_loss_coef(model_dir):
         return None
     config = config.get("text_config", config)
     value = config.get("router_aux_loss_coef")
+    if not config.get("output_router_logits"):
+        return None
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
