@@ -149,6 +149,23 @@ def chat(config_path, prompt, overrides):
     run_chat(load_config(config_path, overrides), prompt=prompt)
 
 
+@main.command("convert")
+@click.argument("model", metavar="MODEL.gguf", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["q8_0", "q4_0", "q4_1", "q4_k"]), default="q4_k",
+              show_default=True, help="block type of the routed experts")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory")
+def convert_cmd(model, fmt, out):
+    """Re-quantise a GGUF model's routed experts (--format) for the llamafile backend; writes DIR/<name>.<fmt>.gguf
+    (everything else copied as is); load it with kt_backend: llamafile."""
+    try:
+        from ktcore_llamafile.convert import convert_gguf
+    except ImportError as exc:
+        raise click.ClickException(f"ktcore convert needs the llamafile backend (pip install -e backends/llamafile): "
+                                   f"{exc}") from exc
+    summary = convert_gguf(model, out, fmt)
+    click.echo(json.dumps(summary, indent=2))
+
+
 @main.group()
 def adapter():
     """Convert and verify LoRA adapters (formats: `ktcore list-adapter-formats`)."""

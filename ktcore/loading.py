@@ -164,12 +164,16 @@ def fill_model(model, config, open_weights, *, path, dtype, device, need_backwar
     plan = plan_placement(modules, kt, backend, need_backward)
     layers = {}
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
-        expert_weights = sources[name].read(dtype)
-        if plan[name] is None:
-            install_resident(model, name, module, expert_weights, arch, dtype, device)
-            continue
-        packed = plan[name].pack(expert_weights, activation=act)
-        del expert_weights
+        target = plan[name]
+        # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
+        packed = target.pack_source(sources[name], act) if hasattr(target, "pack_source") else None
+        if packed is None:
+            expert_weights = sources[name].read(dtype)
+            if target is None:
+                install_resident(model, name, module, expert_weights, arch, dtype, device)
+                continue
+            packed = target.pack(expert_weights, activation=act)
+            del expert_weights
         layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
         install_layer(model, name, module, layers[name], arch, dtype, device)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]

@@ -201,14 +201,15 @@ class LlamafileBackend(ExpertBackendBase):
         for arr, t, n, k, what in ((gate, types[0], inter, hidden, "gate"), (up, types[1], inter, hidden, "up"),
                                    (down, types[2], hidden, inter, "down")):
             t = B.type_number(t)
-            elems, _ = B.block_info(t)
-            if k % elems:
-                raise ValueError(f"{what}: rows of {k} elements are not whole {B.NAMES[t]} blocks of {elems}")
+            # rows of k elements padded with zeros to whole blocks (GGUF files always hold whole blocks)
             if isinstance(arr, np.ndarray):
                 with warnings.catch_warnings():  # read-only mmap: the kernels never write to it
                     warnings.simplefilter("ignore")
                     arr = torch.from_numpy(arr.view(np.uint8))
             rb = B.row_bytes(k, t)
+            if arr.numel() % (n * rb):
+                raise ValueError(f"{what}: {arr.numel()} bytes are not whole [{n}, {rb}] {B.NAMES[t]} expert "
+                                 f"matrices (rows of {k} elements)")
             arr = arr.view(torch.uint8).reshape(-1, n, rb)
             if not arr.is_contiguous():
                 raise ValueError(f"{what}: blocks must be contiguous")
@@ -230,6 +231,23 @@ class LlamafileBackend(ExpertBackendBase):
         return self.pack_blocks(tensors["gate"].data, tensors["up"].data, tensors["down"].data,
                                 tuple(int(tensors[p].tensor_type) for p in ("gate", "up", "down")), hidden, inter,
                                 activation, source=file)
+
+    def pack_source(self, source, activation: str = "silu") -> Optional[LlamafilePacked]:
+        """``load_model`` hook: a GGUF expert source whose blocks this backend computes with directly (when
+        ``kt_expert_weight_format`` is auto or gguf, or names the file's own type) is packed zero-copy from the
+        file's mmap; anything else returns None and the loader falls back to read() + pack()."""
+        file, keys = getattr(source, "file", None), getattr(source, "keys", None)
+        if file is None or keys is None or not hasattr(file, "tensors"):
+            return None
+        types = [file.tensors[keys[p]].tensor_type for p in ("gate", "up", "down")]
+        names = [getattr(t, "name", str(t)).lower() for t in types]
+        fmt = self.config.kt_expert_weight_format
+        if any(n not in B.TYPES for n in names) or (fmt not in ("auto", "gguf") and set(names) != {fmt}):
+            return None
+        inter, hidden = file.shape(keys["gate"])[-2:]
+        t = {p: file.tensors[keys[p]] for p in ("gate", "up", "down")}
+        return self.pack_blocks(t["gate"].data, t["up"].data, t["down"].data, tuple(int(x) for x in types), hidden,
+                                inter, activation, source=file)
 
     def dequantize(self, packed: LlamafilePacked) -> ExpertWeights:
         """The dense weights the packed blocks stand for (tests and references)."""
