@@ -35,7 +35,7 @@ quiet_pip() {  # pip, without its warning for every package the machine's local 
     return $rc
 }
 
-if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import llamafactory.train.tuner, ktcore, ktcore_llamafactory" 2>/dev/null; then
+if [ -f "$STAMP" ] && DISABLE_VERSION_CHECK=1 "$VENV/bin/python" -c "import llamafactory.train.tuner, ktcore, ktcore_llamafactory" 2>/dev/null; then
     quiet_pip "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . -e frontends/llamafactory >/dev/null
     echo "setup_llamafactory: $VENV ready (checked in $(( $(date +%s) - start ))s)"
     exit 0
