@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import SHARED_DATA, tiny_qwen3_moe
+from ktcore_tiny import SHARED_DATA, tiny_qwen3_moe
 from safetensors.torch import load_file, save_file
 
 import ktcore

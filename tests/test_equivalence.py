@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_qwen3_moe
+from ktcore_tiny import tiny_qwen3_moe
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import ktcore

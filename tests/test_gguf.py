@@ -196,7 +196,7 @@ def test_gguf_f16_matches_rounded_weights(tmp_path, family):
 def test_gguf_q8_0_experts_are_dequantised_per_layer(tmp_path):
     """Quantised expert tensors (Q8_0 here; rows a multiple of 32) are dequantised layer by layer on the way to the
     backend: the result equals the model holding the dequantised weights."""
-    from conftest import tiny_qwen3_moe
+    from ktcore_tiny import tiny_qwen3_moe
 
     plain = tiny_qwen3_moe(seed=5, hidden_size=64, moe_intermediate_size=32, head_dim=16)
     path = tmp_path / "q8.gguf"

@@ -24,7 +24,7 @@ import yaml
 pytest.importorskip("trl", reason="the TRL frontend needs trl (pip install -e frontends/trl)")
 pytest.importorskip("ktcore_trl", reason="the TRL frontend package is not installed (pip install -e frontends/trl)")
 
-from conftest import tiny_qwen3_moe  # noqa: E402
+from ktcore_tiny import tiny_qwen3_moe  # noqa: E402
 from ktcore.config import ConfigError, load_config  # noqa: E402
 from ktcore.demo import build_byte_tokenizer  # noqa: E402
 
