@@ -9,10 +9,9 @@ matter either. What is compared is what matters: template rendering, tokenizatio
 and the loss normalisation of each frontend, on the same ktcore model. DPO's first step is log(2) in both
 (policy == reference), which is checked too when the TRL frontend runs DPO.
 
-The model asks for router logits (output_router_logits: true), so both objectives include the MoE load-balancing
-loss. Without that, the SFT losses differ by router_aux_loss_coef x the aux loss (2.5e-3 on this model): trl
-1.16's SFTTrainer switches output_router_logits on for every MoE model by itself, while LLaMA-Factory (and the
-trl frontend's DPO) add the aux loss only when the config asks for it.
+Both objectives include the MoE load-balancing loss with the model config's router_aux_loss_coef (TRL's
+trainers switch router logits on for every MoE model; the llamafactory frontend sets LLaMA-Factory's
+moe_aux_loss_coef to match), also for this model, whose config does not ask for router logits.
 """
 
 import json
@@ -50,7 +49,7 @@ def tiny_model_dir(tmp_path):
     tokenizer = build_byte_tokenizer()
     model = build_tiny_moe(tokenizer, seed=0, hidden_size=48, moe_intermediate_size=32, num_experts=6,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
-                           max_position_embeddings=1024, output_router_logits=True)
+                           max_position_embeddings=1024)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

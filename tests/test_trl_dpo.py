@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("trl", reason="the TRL frontend needs trl (pip install -e frontends/trl)")
 pytest.importorskip("ktcore_trl", reason="the TRL frontend package is not installed (pip install -e frontends/trl)")
 
-from conftest import tiny_qwen3_moe  # noqa: E402
+from ktcore_tiny import tiny_qwen3_moe  # noqa: E402
 from ktcore.config import config_from_dict  # noqa: E402
 from ktcore.demo import build_byte_tokenizer  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_dpo_demo_data_learns(tmp_path, model_dir, shared_data):
 
 def _hand_loss(kind: str, beta: float, mb: dict) -> float:
     """The per-pair preference loss formulas, computed here from the logged numbers (batch size 1: means ==
-    values). The MoE load-balancing term (coefficient * logged aux loss) is added by the caller."""
+    values)."""
     chosen_ratio = mb["logps/chosen"] - mb["ref_chosen"][0]
     rejected_ratio = mb["logps/rejected"] - mb["ref_rejected"][0]
     delta = chosen_ratio - rejected_ratio
@@ -102,15 +102,14 @@ def test_pref_loss_formula(tmp_path, model_dir, shared_data, kind):
     beta = 0.25
     trainer, _ = _train(_cfg(tmp_path, model_dir, shared_data, pref_loss=kind, pref_beta=beta,
                              per_device_train_batch_size=1, max_steps=4, max_samples=4))
-    coef = trainer.router_aux_loss_coef  # the tiny Qwen3-MoE's own router_aux_loss_coef (TRL's default)
-    assert coef == pytest.approx(0.001)
+    assert trainer.router_aux_loss_coef == 0.0  # DPO: the preference loss alone (as LLaMA-Factory's DPO)
     step_one = trainer.micro_batches[0]  # policy == reference: delta = 0
-    assert step_one["loss"] - coef * step_one["aux_loss"] == pytest.approx(_hand_loss(kind, beta, step_one), rel=1e-6)
+    assert step_one["loss"] == pytest.approx(_hand_loss(kind, beta, step_one), rel=1e-6)
     moved = [mb for mb in trainer.micro_batches if mb["step"] >= 2]
     assert moved
     for mb in moved:
         assert abs(mb["logps/chosen"] - mb["ref_chosen"][0]) > 1e-4, "the policy should have moved"
-        preference = mb["loss"] - coef * mb["aux_loss"]
+        preference = mb["loss"]
         assert preference == pytest.approx(_hand_loss(kind, beta, mb), rel=1e-5, abs=1e-6), (kind, mb)
         for other in {"sigmoid", "ipo", "hinge"} - {kind}:  # the formulas are really different
             assert abs(_hand_loss(other, beta, mb) - preference) > 1e-3

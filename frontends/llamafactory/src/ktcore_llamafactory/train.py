@@ -129,8 +129,8 @@ def llamafactory_args(cfg: TrainConfig) -> dict:
         args.update(pref_beta=cfg.pref_beta, pref_loss=cfg.pref_loss)
     aux = _router_aux_loss_coef(cfg.model_name_or_path)
     if aux:
-        # The MoE load-balancing loss is added when the model config asks for router logits (as in the trl
-        # frontend); LLaMA-Factory adds it only when moe_aux_loss_coef is set, so it gets the model's coefficient.
+        # The MoE load-balancing loss with the model's coefficient is part of the objective, as TRL's trainers
+        # make it for every MoE model; LLaMA-Factory adds it only when moe_aux_loss_coef is set, so we set it.
         args["moe_aux_loss_coef"] = aux
     if cfg.template not in (None, "", "default"):  # 'default': the tokenizer's own template, LLaMA-Factory's None
         args["template"] = cfg.template
@@ -159,8 +159,6 @@ def _router_aux_loss_coef(model_dir):
         return None
     config = config.get("text_config", config)
     value = config.get("router_aux_loss_coef")
-    if not config.get("output_router_logits"):
-        return None
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 

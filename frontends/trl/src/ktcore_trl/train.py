@@ -373,7 +373,6 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
             (TRL's own precompute fingerprints the model by hashing its state_dict, which cannot read the
             zero-storage expert placeholders; the reference pass itself is TRL's ``compute_ref_log_probs``.)
             """
-            import torch
             from torch.utils.data import DataLoader
             from tqdm.auto import tqdm
 
@@ -436,10 +435,11 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
                 self._count_tokens(inputs)
             return result
 
-    # The MoE load-balancing loss (coefficient: the model config's router_aux_loss_coef) stays in the objective,
-    # TRL's default for both SFT and DPO, and what the llamafactory frontend matches; micro_batches keep it apart.
+    # DPO optimises the preference loss alone: LLaMA-Factory's DPO trainer never adds the MoE load-balancing loss,
+    # so the same YAML gives the same objective in both frontends (SFT keeps it in both).
     args = DPOConfig(**trainer_kwargs(cfg, DPOConfig), beta=cfg.pref_beta, loss_type=[PREF_LOSSES[cfg.pref_loss]],
-                     max_length=None, precompute_ref_log_probs=False, dataset_num_proc=None)  # precomputed above
+                     max_length=None, precompute_ref_log_probs=False, dataset_num_proc=None,  # precomputed above
+                     router_aux_loss_coef=0.0)
     return KtDPOTrainer(model=model, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks), peft_config=peft_config)
 
