@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
 
 from .adapters import AdapterError, atomic_dir, atomic_write_bytes, layer_of, load
 

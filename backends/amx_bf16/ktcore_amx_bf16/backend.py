@@ -145,7 +145,6 @@ class AMXBF16Backend(ExpertBackendBase):
             raise ValueError(f"the amx_bf16 backend packs bf16 experts, not {fmt!r}; set "
                              "kt_config.kt_expert_weight_format to auto or bf16")
         e, i, h = weights.gate.shape
-        hp, ip = _rup(h, 32), _rup(i, 32)
 
         def pack_one(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
             dst = torch.empty(e * (_rup(n, 32) // 16) * (_rup(k, 32) // 32) * 512, dtype=torch.int16)
