@@ -8,27 +8,17 @@ import sys
 import click
 
 from . import __version__
-from .plugins import PluginError, get_registry
-
-KINDS = {"backends": "expert_backend", "archs": "arch", "frontends": "frontend",
-         "adapter-formats": "adapter_format"}
+from .errors import KtcoreError
+from .plugins import get_registry
 
 
 class KtcoreGroup(click.Group):
     """Turns ktcore's own errors into one clear line and exit code 2 instead of a traceback."""
 
     def invoke(self, ctx):
-        from .config import ConfigError
-
         try:
             return super().invoke(ctx)
-        except Exception as exc:
-            # the checkpoint reader imports torch: only a command that loaded it can raise its error, and
-            # importing it here would make every listing pay for torch
-            reader = sys.modules.get("ktcore.weights.safetensors_reader")
-            ours = (ConfigError, PluginError, FileNotFoundError) + ((reader.CheckpointError,) if reader else ())
-            if not isinstance(exc, ours):
-                raise
+        except (KtcoreError, FileNotFoundError) as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(2)
 

@@ -18,11 +18,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from .errors import ConfigError
 from .placement import parse_rules
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message is one line that says what to change."""
 
 
 def _key(doc: str, choices: tuple = (), default=MISSING, default_factory=MISSING):

@@ -22,6 +22,7 @@ from typing import Iterable, Optional
 import pluggy
 
 from . import hookspecs
+from .errors import PluginError
 from .specs import SPEC_TYPES
 
 ENTRY_POINT_GROUP = "ktcore"
@@ -32,10 +33,6 @@ _warned: set[str] = set()
 
 class PluginWarning(UserWarning):
     """A plugin could not be loaded; the others keep working."""
-
-
-class PluginError(Exception):
-    """Base class for plugin errors; the message says what to do."""
 
 
 class PluginConflictError(PluginError):

@@ -19,7 +19,7 @@ from .experts import ActivationBudget, ExpertLayer, ExpertWeights
 from .lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
-from .plugins import get_registry
+from .plugins import UnknownPluginError, get_registry
 from .specs import ArchSpec
 
 EXPERTS_IMPLEMENTATION = "ktcore"
@@ -75,7 +75,7 @@ def find_arch(hf_config, registry=None) -> ArchSpec:
         if set(names) & set(spec.hf_architectures) or model_type in spec.model_types:
             return spec
     handled = sorted(a for spec in archs.values() for a in spec.hf_architectures)
-    raise ValueError(f"no ktcore architecture plugin handles {', '.join(names) or model_type!r}; handled: "
+    raise UnknownPluginError(f"no ktcore architecture plugin handles {', '.join(names) or model_type!r}; handled: "
                      f"{', '.join(handled) or '(none)'} (see `ktcore list-archs`)")
 
 

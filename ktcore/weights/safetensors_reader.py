@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from ..errors import CheckpointError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -24,10 +26,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 if hasattr(torch, "float8_e4m3fn"):
     DTYPES.update({"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2})
 FP8_DTYPES = tuple(DTYPES[n] for n in ("F8_E4M3", "F8_E5M2") if n in DTYPES)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, truncated or does not fit the model; the message names the file and tensor."""
 
 
 class _Entry:
