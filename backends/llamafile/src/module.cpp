@@ -2,7 +2,7 @@
 // Tensors cross as addresses and sizes; every buffer is owned by the Python caller.
 //
 //   Engine(threads, isa)                       isa: "auto" | "vnni" | "avx2" | "scalar"
-//   Engine.quantize_act(...)                   fp32 rows -> per-32 int8 blocks (scale, sum) for the dot kernels
+//   Engine.quantize_act(...)                   fp32 rows -> per-32 int8 blocks (scale, sum), 1 or 2 planes
 //   Engine.matmul(...)                         out[r, n] = W_e[n, :] . x[r, :] for the rows r routed to expert e
 //   Engine.matmul_t(...)                       out[r, :] += sum_n g[r, n] * W_e[n, :]  (transposed, from the blocks)
 //   dequantize / quantize / type_info          block helpers (tests, pack, ktcore convert)
@@ -50,6 +50,10 @@ T* P(uintptr_t a) { return reinterpret_cast<T*>(a); }
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> f;
+  std::vector<float> out;
+  void need_out(int64_t n) {
+    if ((int64_t)out.size() < n) out.resize(n);
+  }
   void need(int64_t kp) {
     if ((int64_t)q.size() < kp) q.resize(kp);
     if ((int64_t)f.size() < kp + 3 * (kp / 32 + 1)) f.resize(kp + 3 * (kp / 32 + 1));
@@ -63,10 +67,14 @@ class Engine {
   int num_threads() const { return pool_.num_threads(); }
   std::string isa() const { return k_.name; }
 
-  // x rows (fp32, ldx) -> xq [R, kp] int8, xd [R, kp/32] scale, xm [R, kp/32] scale * sum(q); columns >= k are 0.
+  // x rows (fp32, ldx) -> xq [R * planes, kp] int8, xd [R * planes, kp/32] scale, xm [.., kp/32] scale * sum(q);
+  // columns >= k are 0. Each 32-element block is quantised by ggml's Q8 rule (d = amax / 127, q = round(x / d),
+  // half away from zero). planes = 2 adds, as row r * 2 + 1, the same rule applied to the residual x - d * q of
+  // row r * 2: the two int8 planes together carry ~15 bits per block (error <= amax / 32258 instead of amax / 254).
   // rows: int32 [R] source row of each output row, or 0 for the identity.
   void quantize_act(uintptr_t x, int64_t ldx, uintptr_t rows, int64_t R, int k, int kp, uintptr_t xq, uintptr_t xd,
-                    uintptr_t xm) {
+                    uintptr_t xm, int planes) {
+    if (planes != 1 && planes != 2) throw std::invalid_argument("planes must be 1 or 2");
     const int nc = kp / 32;
     pool_.parallel_for(R, [&](int64_t r0, int64_t r1, int) {
       float buf[32];
@@ -74,30 +82,37 @@ class Engine {
         const int64_t src = rows ? P<int32_t>(rows)[r] : r;
         const float* xr = P<float>(x) + src * ldx;
         for (int c = 0; c < nc; ++c) {
-          float amax = 0.f;
           for (int i = 0; i < 32; ++i) {
             const int col = 32 * c + i;
             buf[i] = col < k ? xr[col] : 0.f;
-            amax = std::max(amax, std::fabs(buf[i]));
           }
-          const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-          int8_t* q = P<int8_t>(xq) + r * kp + 32 * c;
-          int sum = 0;
-          for (int i = 0; i < 32; ++i) {
-            q[i] = (int8_t)std::round(buf[i] * id);
-            sum += q[i];
+          for (int p = 0; p < planes; ++p) {
+            const int64_t row = r * planes + p;
+            float amax = 0.f;
+            for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(buf[i]));
+            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            int8_t* q = P<int8_t>(xq) + row * kp + 32 * c;
+            int sum = 0;
+            for (int i = 0; i < 32; ++i) {
+              const int v = std::max(-127, std::min(127, (int)std::round(buf[i] * id)));
+              q[i] = (int8_t)v;
+              sum += v;
+              buf[i] -= d * (float)v;  // the residual, for the next plane
+            }
+            P<float>(xd)[row * nc + c] = d;
+            P<float>(xm)[row * nc + c] = d * (float)sum;
           }
-          P<float>(xd)[r * nc + c] = d;
-          P<float>(xm)[r * nc + c] = d * (float)sum;
         }
       }
     }, 4);
   }
 
   // out[r, n] (ldo) for the rows r in [off[e], off[e+1]) and weight rows n < N of expert e.
-  // Quantised types read (xq, xd, xm) of row width kp; float types read xf (fp32 [R, kp]).
+  // Quantised types read (xq, xd, xm) of row width kp, `planes` rows per activation row (quantize_act; the
+  // planes' dot products are added); float types read xf (fp32 [R, kp]).
   void matmul(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int kp, uintptr_t offsets,
-              int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t xf, uintptr_t out, int64_t ldo) {
+              int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t xf, uintptr_t out, int64_t ldo,
+              int planes) {
     const TypeInfo ti = type_info(qtype);
     const int nc = kp / 32, nblocks = kp / ti.block_elems;
     const int64_t* off = P<int64_t>(offsets);
@@ -118,8 +133,17 @@ class Engine {
           float* o = P<float>(out) + r0 * ldo + n;
           if (ti.quantised) {
             unpack_row(qtype, we + n * row_bytes, nblocks, u);
-            k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)nt, P<int8_t>(xq) + r0 * kp,
-                     P<float>(xd) + r0 * nc, P<float>(xm) + r0 * nc, kp, o, ldo);
+            const int64_t p0 = r0 * planes;
+            if (planes == 1) {
+              k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)nt, P<int8_t>(xq) + p0 * kp,
+                       P<float>(xd) + p0 * nc, P<float>(xm) + p0 * nc, kp, o, ldo);
+            } else {
+              s.need_out(nt * planes);
+              float* tmp = s.out.data();
+              k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)(nt * planes), P<int8_t>(xq) + p0 * kp,
+                       P<float>(xd) + p0 * nc, P<float>(xm) + p0 * nc, kp, tmp, 1);
+              for (int64_t t = 0; t < nt; ++t) o[t * ldo] = tmp[2 * t] + tmp[2 * t + 1];
+            }
           } else {
             float* wf = s.f.data();
             float_row(qtype, we + n * row_bytes, kp, wf);

@@ -136,3 +136,22 @@ def test_unsupported_format_is_explained():
     be = LlamafileBackend({"kt_expert_weight_format": "q6_k"})
     with pytest.raises(ValueError, match="read from GGUF files"):
         be.pack(ExpertWeights(torch.zeros(1, 32, 32), torch.zeros(1, 32, 32), torch.zeros(1, 32, 32)))
+
+
+def test_two_activation_planes_are_far_more_accurate_than_one(monkeypatch):
+    """activations="q8x2" (default: x and its residual, two int8 planes) vs "q8" (ggml's single Q8 plane)."""
+    from ktcore_llamafile.backend import LlamafileBackend
+    from ktcore.testing.contract import Case, dense_reference
+
+    weights, x, ids, w, _ = ExpertBackendContract().problem(Case(8, 512, 256, 16, 2), seed=1)
+    errs = {}
+    for mode in ("q8", "q8x2"):
+        be = LlamafileBackend({"kt_expert_weight_format": "q4_1", "kt_num_threads": 2}, activations=mode)
+        packed = be.pack(weights)
+        ref = dense_reference(be.dequantize(packed), x.double(), ids, w.double())
+        errs[mode] = relative_error(be.forward(packed, x, ids, w)[0], ref)
+    assert errs["q8x2"] < 1e-3 and errs["q8x2"] < errs["q8"] / 30, errs
+    monkeypatch.setenv("KTCORE_LLAMAFILE_ACT", "q8")
+    assert LlamafileBackend({}).activations == "q8"
+    with pytest.raises(ValueError):
+        LlamafileBackend({}, activations="int4")

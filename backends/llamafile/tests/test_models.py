@@ -103,17 +103,16 @@ def test_smollm2_mlps_run_on_the_files_blocks(smollm2):
     assert packed.source is not None  # zero-copy on the file's mmap, never dequantised
 
 
-@pytest.mark.xfail(reason="int8 activations (per-32 scales, ggml's Q8_0 rule) add ~1.2% per MLP; over SmolLM2's 30 "
-                          "layers the Q4_1 logits drift 3.1% vs 2.3% for the bf16 model, and greedy decoding "
-                          "leaves Paris (the Q8_0-converted file still answers Paris)", strict=False)
 def test_smollm2_logits_match_transformers_dequantised(smollm2):
     _, reference, ours, tokenizer = smollm2
     ids = tokenizer("The quick brown fox jumps over the lazy dog. GGUF files keep", return_tensors="pt").input_ids
     with torch.no_grad():
         ref, got = reference(ids).logits, ours(ids).logits
     err = relative_error(got, ref)
-    # "bf16 tolerance": the same dequantised model run in bf16 drifts from fp32 by err_bf16 over 30 layers;
-    # int8 activations (per-32 scales) against the Q4_1 blocks must stay within that
+    # "bf16 tolerance": the same dequantised model run in bf16 drifts from fp32 by err_bf16 (~2.3%) over 30
+    # layers; the MLPs computed from the Q4_1 blocks must stay within that. Single-plane int8 activations
+    # (activations="q8", ggml's Q8_1 rule) give ~1.2% per MLP and 3.1% here; the default two planes
+    # (x and its residual) give ~5e-5 per MLP.
     import copy
 
     with torch.no_grad():
@@ -123,9 +122,6 @@ def test_smollm2_logits_match_transformers_dequantised(smollm2):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.xfail(reason="int8 activations (per-32 scales, ggml's Q8_0 rule) add ~1.2% per MLP; over SmolLM2's 30 "
-                          "layers the Q4_1 logits drift 3.1% vs 2.3% for the bf16 model, and greedy decoding "
-                          "leaves Paris (the Q8_0-converted file still answers Paris)", strict=False)
 def test_smollm2_answers_paris(smollm2):
     _, _, ours, tokenizer = smollm2
     messages = [{"role": "user", "content": "What is the capital of France?"}]
