@@ -341,8 +341,11 @@ class LlamafileBackend(ExpertBackendBase):
             a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
             for e, r0, r1 in self._segments(route):
                 out[r0:r1].add_((h[r0:r1] @ a[e].float().T) @ b[e].float().T, alpha=s)
-        y = torch.zeros(route.T, H, dtype=torch.float32)
-        y.index_add_(0, route.row_tok.long(), out * route.w_row.unsqueeze(1))
+        # y[t] = sum_k w * out over the token's K slots (the slots' rows scattered back, then summed over K:
+        # no index_add_, whose parallel scatter stalls behind the kernels' pool on few cores)
+        slots = torch.zeros(route.T * route.K, H, dtype=torch.float32)
+        slots[route.order] = out * route.w_row.unsqueeze(1)
+        y = slots.view(route.T, route.K, H).sum(1)
         ctx = _Saved(xf, route, g, u, h, out, topk_weights.dtype) if save else None
         return y.to(x.dtype), ctx
 

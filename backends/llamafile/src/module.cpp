@@ -132,18 +132,24 @@ class Engine {
         for (int n = n0; n < n1; ++n) {
           float* o = P<float>(out) + r0 * ldo + n;
           if (ti.quantised) {
-            unpack_row(qtype, we + n * row_bytes, nblocks, u);
-            const int64_t p0 = r0 * planes;
-            if (planes == 1) {
-              k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)nt, P<int8_t>(xq) + p0 * kp,
-                       P<float>(xd) + p0 * nc, P<float>(xm) + p0 * nc, kp, o, ldo);
-            } else {
-              s.need_out(nt * planes);
-              float* tmp = s.out.data();
-              k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)(nt * planes), P<int8_t>(xq) + p0 * kp,
-                       P<float>(xd) + p0 * nc, P<float>(xm) + p0 * nc, kp, tmp, 1);
-              for (int64_t t = 0; t < nt; ++t) o[t * ldo] = tmp[2 * t] + tmp[2 * t + 1];
+            const int64_t p0 = r0 * planes, np = nt * planes;
+            float* dst = o;
+            int64_t ldd = ldo;
+            if (planes != 1) {
+              s.need_out(np);
+              dst = s.out.data();
+              ldd = 1;
             }
+            const uint8_t* row = we + n * row_bytes;
+            const int8_t* q = P<int8_t>(xq) + p0 * kp;
+            const float* d = P<float>(xd) + p0 * nc;
+            const float* m = P<float>(xm) + p0 * nc;
+            if (!(k_.dot_row && k_.dot_row(qtype, row, nblocks, (int)np, q, d, m, kp, dst, ldd))) {
+              unpack_row(qtype, row, nblocks, u);
+              k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)np, q, d, m, kp, dst, ldd);
+            }
+            if (planes != 1)
+              for (int64_t t = 0; t < nt; ++t) o[t * ldo] = dst[2 * t] + dst[2 * t + 1];
           } else {
             float* wf = s.f.data();
             float_row(qtype, we + n * row_bytes, kp, wf);
