@@ -10,6 +10,7 @@ numbers measure the kernels, not a quantiser. Reports:
 
 No assertions on timings.  Usage:
     python benchmarks/bench_llamafile.py [--formats q4_k,q8_0] [--threads N] [--iters 20] [--prefill-iters 2]
+        [--activations q8x2|q8]
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main():
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--prefill-iters", type=int, default=2)
+    ap.add_argument("--activations", default="q8x2", choices=("q8x2", "q8"),
+                    help="the backend's activation quantisation (q8x2: two int8 planes, the default; q8: ggml's one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -87,8 +90,9 @@ def main():
     from ktcore_llamafile.backend import LlamafileBackend
 
     bw = measure_read_bandwidth()
-    backend = LlamafileBackend({"kt_num_threads": args.threads})
+    backend = LlamafileBackend({"kt_num_threads": args.threads}, activations=args.activations)
     print(f"DeepSeek-V2-Lite layer E={E} K={K} H={H} I={I}; {args.threads} threads; isa={backend.isa}; "
+          f"activations={backend.activations}; "
           f"DRAM read bandwidth (ktcore doctor) {bw:.1f} GB/s")
     print(f"{'format':7} {'T':>4} {'ms/call':>9} {'MB read':>8} {'GB/s':>7} {'% of bw':>8} {'baseline ms':>12} "
           f"{'speed-up':>9}")
