@@ -1,6 +1,7 @@
 """Peak host memory while loading ~1 GB of routed experts stays near the packed size plus one layer."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -68,8 +69,10 @@ PROBE = textwrap.dedent("""
 @pytest.mark.slow
 def test_peak_rss_while_loading_1gb_of_experts(tmp_path):
     write_checkpoint(tmp_path / "ckpt")
+    # a clean environment: variables earlier tests' libraries set in this process must not change the measurement
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
     out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "ckpt")], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout.strip().splitlines()[-1])
     layer_bytes = EXPERTS * 3 * HIDDEN * INTER * 2
