@@ -25,6 +25,17 @@ import torch
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
+def activation_function(name: str):
+    """The torch function for an activation name of ``ACTIVATIONS``."""
+    import torch.nn.functional as F
+
+    functions = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+                 "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+    if name not in functions:
+        raise ValueError(f"activation {name!r} is not supported; choose one of {', '.join(ACTIVATIONS)}")
+    return functions[name]
+
+
 @dataclass
 class ExpertWeights:
     """Dense expert weights: gate/up ``[E, I, H]``, down ``[E, H, I]``."""

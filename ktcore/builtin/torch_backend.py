@@ -11,23 +11,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from ktcore.experts import ACTIVATIONS, ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
+from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def activation_fn(name: str):
-    if name == "silu":
-        return F.silu
-    if name == "gelu":
-        return F.gelu
-    if name == "gelu_tanh":
-        return lambda t: F.gelu(t, approximate="tanh")
-    if name == "relu":
-        return F.relu
-    raise ValueError(f"activation {name!r} is not supported; choose one of {', '.join(ACTIVATIONS)}")
 
 
 @dataclass
@@ -56,7 +43,7 @@ class TorchExpertBackend(ExpertBackendBase):
 
     def pack(self, weights: ExpertWeights, activation: str = "silu") -> TorchPacked:
         weights.validate()
-        activation_fn(activation)
+        activation_function(activation)
         fmt = self.config.kt_expert_weight_format
         if fmt not in ("auto", *_DTYPES):
             raise ValueError(f"the torch backend packs fp32 or bf16 experts, not {fmt!r}; "
@@ -80,7 +67,7 @@ class TorchExpertBackend(ExpertBackendBase):
 
     def _compute(self, packed: TorchPacked, leaves, topk_ids, lora):
         x, w, gu_a, gu_b, d_a, d_b = leaves
-        act = activation_fn(packed.activation)
+        act = activation_function(packed.activation)
         num_experts = packed.num_experts
         inter = packed.down.shape[2]
         y = torch.zeros_like(x)

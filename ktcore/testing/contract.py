@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from ..experts import ExpertLoRA, ExpertWeights
+from ..experts import ExpertLoRA, ExpertWeights, activation_function
 
 
 @dataclass(frozen=True)
@@ -45,11 +44,6 @@ CASES = [
 ]
 
 
-def _act(name):
-    return {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
-            "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[name]
-
-
 def dense_reference(weights: ExpertWeights, x, topk_ids, topk_weights, lora: ExpertLoRA | None = None,
                     activation: str = "silu"):
     """y in float64: every expert on every token, mixed by a [T, E] combine matrix. Differentiable."""
@@ -59,7 +53,7 @@ def dense_reference(weights: ExpertWeights, x, topk_ids, topk_weights, lora: Exp
     safe_ids = topk_ids.clamp(0, num_experts - 1)
     combine = combine.scatter_add(1, safe_ids, torch.where(valid, topk_weights, torch.zeros_like(topk_weights)))
     gate, up, down = (t.double() for t in (weights.gate, weights.up, weights.down))
-    act = _act(activation)
+    act = activation_function(activation)
     y = torch.zeros_like(x)
     for e in range(num_experts):
         g, u = x @ gate[e].T, x @ up[e].T

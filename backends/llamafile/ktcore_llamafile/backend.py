@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ktcore.experts import ACTIVATIONS, ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
+from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 
 from . import blocks as B
 
@@ -33,18 +33,6 @@ def _ext():
     from . import _ext as ext
 
     return ext
-
-
-def _act(name: str):
-    if name == "silu":
-        return F.silu
-    if name == "gelu":
-        return F.gelu
-    if name == "gelu_tanh":
-        return lambda t: F.gelu(t, approximate="tanh")
-    if name == "relu":
-        return F.relu
-    raise ValueError(f"activation {name!r} is not supported; choose one of {', '.join(ACTIVATIONS)}")
 
 
 @dataclass
@@ -192,7 +180,7 @@ class LlamafileBackend(ExpertBackendBase):
 
     def pack(self, weights: ExpertWeights, activation: str = "silu") -> LlamafilePacked:
         weights.validate()
-        _act(activation)
+        activation_function(activation)
         fmt = self.weight_format(weights.gate.dtype)
         e, i, h = weights.gate.shape
 
@@ -211,7 +199,7 @@ class LlamafileBackend(ExpertBackendBase):
         """Experts as GGUF blocks: ``gate``/``up`` uint8 [E, I, row_bytes(H)], ``down`` [E, H, row_bytes(I)]
         (numpy arrays, e.g. a GGUFReader tensor's mmapped ``data``, or torch tensors; not copied).
         ``types``: one block type or a (gate, up, down) triple (names like "q4_k" or ggml type numbers)."""
-        _act(activation)
+        activation_function(activation)
         if not isinstance(types, (tuple, list)):
             types = (types, types, types)
         parts = []
@@ -334,7 +322,7 @@ class LlamafileBackend(ExpertBackendBase):
                 delta = (xe @ a[e].float().T) @ b[e].float().T
                 g[r0:r1].add_(delta[:, :I], alpha=s)
                 u[r0:r1].add_(delta[:, I:], alpha=s)
-        h = _act(packed.activation)(g) * u
+        h = activation_function(packed.activation)(g) * u
         out = torch.empty(R, H, dtype=torch.float32)
         self._matmul(packed.down, self._acts(packed.down, h, None, R), route, out)
         if lora is not None and lora.down_a is not None and lora.down_b is not None:
@@ -377,7 +365,7 @@ class LlamafileBackend(ExpertBackendBase):
             grads.down_a, grads.down_b = da.to(a.dtype), db.to(b.dtype)
         with torch.enable_grad():
             gt = ctx.g.detach().requires_grad_(True)
-            act = _act(packed.activation)(gt)
+            act = activation_function(packed.activation)(gt)
             (dg,) = torch.autograd.grad(act, gt, gh * ctx.u)
         du = gh * act.detach()
         gx = torch.zeros(R, H, dtype=torch.float32)
