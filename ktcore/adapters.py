@@ -108,6 +108,16 @@ def split_gate_up(a, b):
     return (a.contiguous(), b[:, :inter].contiguous()), (a.clone(), b[:, inter:].contiguous())
 
 
+def split_expert_parts(parts: dict) -> dict:
+    """One experts module's LoRA {"gate_up": (A, B), "down": (A, B)} -> {"gate", "up", "down"} pairs."""
+    split = {}
+    if "gate_up" in parts:
+        split["gate"], split["up"] = split_gate_up(*parts["gate_up"])
+    if "down" in parts:
+        split["down"] = parts["down"]
+    return split
+
+
 def fuse_gate_up(gate, up):
     """Separate gate and up LoRAs -> one gate_up LoRA, and its rank.
 

@@ -23,12 +23,10 @@ from .plugins import UnknownPluginError, get_registry
 from .specs import ArchSpec
 
 EXPERTS_IMPLEMENTATION = "ktcore"
+GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for layers placed on the GPU
 
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
-
-
-GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for layers placed on the GPU
 
 
 def ktcore_experts_forward(self, hidden_states, top_k_index, top_k_weights):

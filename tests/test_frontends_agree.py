@@ -91,10 +91,6 @@ def test_sft_first_step_loss_agrees(tmp_path, tiny_model_dir, shared_data, datas
 def test_dpo_first_step_loss_agrees(tmp_path, tiny_model_dir, shared_data):
     if not LF_KTCORE.is_file():
         pytest.skip(f"{LF_VENV.name} does not exist: run bash scripts/setup_llamafactory.sh")
-    from ktcore.frontends import resolve_frontend
-
-    if "dpo" not in resolve_frontend("trl").stages:
-        pytest.skip("the trl frontend does not run stage dpo in this checkout")
     keys = _keys(tiny_model_dir, shared_data, tmp_path / "out", stage="dpo", dataset="dpo_en_demo", max_samples=4,
                  per_device_train_batch_size=4, cutoff_len=512)
     trl, lf = _both(tmp_path, keys)

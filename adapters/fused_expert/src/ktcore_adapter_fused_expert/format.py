@@ -71,12 +71,7 @@ class Format:
         experts = {}
         for module, parts in adapter.experts.items():
             layer = core.layer_of(module)
-            split = {}
-            if "gate_up" in parts:
-                split["gate"], split["up"] = core.split_gate_up(*parts["gate_up"])
-            if "down" in parts:
-                split["down"] = parts["down"]
-            for part, (a, b) in split.items():
+            for part, (a, b) in core.split_expert_parts(parts).items():
                 experts[f"layers.{layer}.experts.{part}_lora_a"] = a.contiguous()
                 experts[f"layers.{layer}.experts.{part}_lora_b"] = b.contiguous()
         non_expert = core.peft_state(core.Adapter(adapter.r, adapter.alpha, linear=adapter.linear))

@@ -171,12 +171,7 @@ class Format:
             add(target, a, b, module)
         for module, parts in sorted(adapter.experts.items()):
             layer = core.layer_of(module)
-            split = {}
-            if "gate_up" in parts:
-                split["gate"], split["up"] = core.split_gate_up(*parts["gate_up"])
-            if "down" in parts:
-                split["down"] = parts["down"]
-            for part, (a, b) in split.items():
+            for part, (a, b) in core.split_expert_parts(parts).items():
                 add(EXPERT_NAMES[part].format(layer=layer), a, b, [module, part])
 
         dst = Path(dst)
