@@ -10,7 +10,7 @@ numbers measure the kernels, not a quantiser. Reports:
 
 No assertions on timings.  Usage:
     python benchmarks/bench_llamafile.py [--formats q4_k,q8_0] [--threads N] [--iters 20] [--prefill-iters 2]
-        [--activations q8x2|q8]
+        [--activations q16|q8]
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def main():
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--prefill-iters", type=int, default=2)
-    ap.add_argument("--activations", default="q8x2", choices=("q8x2", "q8"),
-                    help="the backend's activation quantisation (q8x2: two int8 planes, the default; q8: ggml's one)")
+    ap.add_argument("--activations", default="q16", choices=("q16", "q8x2", "q8"),
+                    help="the backend's activation quantisation (q16: int16, the default; q8x2: its former name; "
+                         "q8: ggml's one int8 plane)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

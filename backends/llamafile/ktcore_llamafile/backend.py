@@ -5,9 +5,9 @@ down ``[E, H, I]``, blocks along the reduction dimension, exactly a GGUF ``ffn_*
 quantised by :meth:`LlamafileBackend.pack` or taken as they are from a GGUF file
 (:meth:`LlamafileBackend.pack_blocks` / :meth:`LlamafileBackend.pack_gguf`, zero-copy on the file's mmap).
 
-Forward: the routed rows are sorted by expert; activations are quantised per 32 elements to int8 (one fp32
-scale per block, ggml's Q8_0 rule; by default twice: x and its residual, see ``activations``) and dotted
-against the weight blocks (int8 x int8 -> int32 per block, scaled in fp32); float block types (F32/F16/BF16) are dotted in fp32. SiLU(gate) * up and the routing
+Forward: the routed rows are sorted by expert; activations are quantised per 32 elements to int16 (one fp32
+scale per block; or int8 by ggml's Q8_0 rule, see ``activations``) and dotted against the weight blocks
+(integer dot per 32-element block -> int32, scaled in fp32); float block types (F32/F16/BF16) are dotted in fp32. SiLU(gate) * up and the routing
 weights are applied in fp32. Backward computes the transposed products (grad through down, gate and up)
 straight from the blocks, dequantising a few blocks at a time, and the routing-weight gradient from the
 saved per-expert outputs. Expert LoRA is fp32 torch math between the C++ phases.
@@ -107,18 +107,27 @@ class _Saved:
 
 
 class _Acts:
-    """Activations of R rows in the form a projection's kernel reads (quantised int8 blocks or fp32)."""
+    """Activations of R rows in the form a projection's kernel reads (quantised int8 or int16 blocks, or fp32)."""
 
     def __init__(self, eng, src: torch.Tensor, rows: Optional[torch.Tensor], R: int, k: int, kp: int,
                  quantised: bool, planes: int = 2):
         self.kp = kp
-        self.planes = planes
-        if quantised:
+        self.planes = planes  # 1, 2: int8 planes (matmul); 16: one int16 plane (matmul16)
+        rp = 0 if rows is None else rows.data_ptr()
+        if quantised and planes == 16:
+            nc8 = (kp // 32 + 7) // 8 * 8
+            self.xq = torch.empty(R, kp, dtype=torch.int16)
+            self.xd = torch.empty(R, nc8, dtype=torch.float32)
+            self.xm = torch.empty(R, nc8, dtype=torch.float32)
+            eng.quantize_act16(src.data_ptr(), src.stride(0), rp, R, k, kp, self.xq.data_ptr(), self.xd.data_ptr(),
+                               self.xm.data_ptr())
+            self.ptrs = (self.xq.data_ptr(), self.xd.data_ptr(), self.xm.data_ptr(), 0)
+        elif quantised:
             nc = kp // 32
             self.xq = torch.empty(R * planes, kp, dtype=torch.int8)
             self.xd = torch.empty(R * planes, nc, dtype=torch.float32)
             self.xm = torch.empty(R * planes, nc, dtype=torch.float32)
-            eng.quantize_act(src.data_ptr(), src.stride(0), 0 if rows is None else rows.data_ptr(), R, k, kp,
+            eng.quantize_act(src.data_ptr(), src.stride(0), rp, R, k, kp,
                              self.xq.data_ptr(), self.xd.data_ptr(), self.xm.data_ptr(), planes)
             self.ptrs = (self.xq.data_ptr(), self.xd.data_ptr(), self.xm.data_ptr(), 0)
         else:
@@ -127,25 +136,30 @@ class _Acts:
             self.ptrs = (0, 0, 0, self.xf.data_ptr())
 
 
-ACTIVATIONS_MODES = {"q8x2": 2, "q8": 1}
+# activations mode -> int8 planes (1) or one int16 plane (16); "q8x2" is the former name of the ~15-bit mode
+# (two int8 planes, x and its residual), now computed as one int16 plane.
+ACTIVATIONS_MODES = {"q16": 16, "q8": 1}
+ACTIVATIONS_ALIASES = {"q8x2": "q16"}
 
 
 class LlamafileBackend(ExpertBackendBase):
     """GGUF-block expert backend. ``isa`` (or ``KTCORE_LLAMAFILE_ISA``): auto | vnni | avx2 | scalar.
 
     ``activations`` (or ``KTCORE_LLAMAFILE_ACT``): how activations meet quantised weight blocks.
-    ``q8x2`` (default): two int8 planes per 32-element block, ggml's Q8 rule on x and again on the residual
-    x - d*q (~15 bits; the int8 x int8 kernels run on twice the rows and the two products are added);
-    logits match the dequantised fp32 model far inside bf16 tolerance. ``q8``: one plane, exactly ggml's
-    Q8_0/Q8_1 activations (about 1.2% relative error per SmolLM2 MLP: 3.1% on its logits over 30 layers,
-    more than the bf16 model's 2.3%); about half the integer work for compute-bound prefill.
+    ``q16`` (default; ``q8x2`` is accepted as its former name): int16 per 32-element block, d = amax / 32767
+    (error <= amax / 65534, as fine as the former two int8 planes x and residual); weight rows are expanded
+    to int16 in L1 and dotted with vpmaddwd in register tiles of 4 rows x 3 tokens; logits match the
+    dequantised fp32 model far inside bf16 tolerance. ``q8``: one int8 plane, exactly ggml's Q8_0/Q8_1
+    activations (about 1.2% relative error per SmolLM2 MLP: 3.1% on its logits over 30 layers, more than the
+    bf16 model's 2.3%), dotted by the int8 row kernels.
     """
 
     name = "llamafile"
 
     def __init__(self, config=None, isa: Optional[str] = None, activations: Optional[str] = None):
         super().__init__(config)
-        activations = activations or os.environ.get("KTCORE_LLAMAFILE_ACT", "q8x2")
+        activations = activations or os.environ.get("KTCORE_LLAMAFILE_ACT", "q16")
+        activations = ACTIVATIONS_ALIASES.get(activations, activations)
         if activations not in ACTIVATIONS_MODES:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS_MODES)}, not {activations!r}")
         self.activations = activations
@@ -282,6 +296,10 @@ class LlamafileBackend(ExpertBackendBase):
 
     def _matmul(self, proj: Projection, acts: _Acts, route: _Route, out: torch.Tensor) -> None:
         b = proj.blocks
+        if proj.quantised and acts.planes == 16:
+            self._engine.matmul16(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.kp,
+                                  route.offsets.data_ptr(), b.shape[0], *acts.ptrs[:3], out.data_ptr(), out.stride(0))
+            return
         self._engine.matmul(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.kp,
                             route.offsets.data_ptr(), b.shape[0], *acts.ptrs, out.data_ptr(), out.stride(0),
                             acts.planes)

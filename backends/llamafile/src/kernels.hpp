@@ -7,6 +7,17 @@
 
 namespace ktl {
 
+// One weight row expanded for the int16 kernels: w int16 [kp] in element order; per 32-element chunk c the
+// row's value is dlo[c] * w (elements 0..15 of the chunk), dhi[c] * w (16..31) plus mn[c]. dlo == dhi except
+// for Q6_K (16-element sub-blocks). mn is 0 where the type has no min; dlo/dhi/mn are zero-padded to nc8 chunks
+// (a multiple of 8).
+struct Row16 {
+  int16_t* w;
+  float* dlo;
+  float* dhi;
+  float* mn;
+};
+
 struct Kernels {
   const char* name;
   // out[t * ldo] = sum over chunks c of the unpacked weight row (q, dlo, dhi, mn) against the quantised
@@ -20,6 +31,20 @@ struct Kernels {
                   const float* xm, int64_t ldq, float* out, int64_t ldo);
   // out[t * ldo] = dot(w[0:k], x[t * ldx : + k]) for t < nt, k a multiple of 8
   void (*dot_f)(const float* w, int k, int nt, const float* x, int64_t ldx, float* out, int64_t ldo);
+  // ---- int16 activations (activations="q16") ----
+  // One fp32 row x[0:k] -> q int16 [kp] (columns >= k are 0) and per chunk c < nc8: d[c] = amax / 32767,
+  // q = round-half-even(x / d), m[c] = d * sum(q) (d = m = 0 for the padding chunks nc..nc8).
+  void (*quant16)(const float* x, int k, int kp, int nc8, int16_t* q, float* d, float* m);
+  // One row of nb GGUF blocks of qtype -> Row16 (nc8 chunks). tmp: int8 scratch of kp bytes (generic unpack).
+  void (*expand16)(int qtype, const uint8_t* row, int nb, int nc8, const Row16& out, int8_t* tmp);
+  // out[r * ldo_r + t * ldo_t] = dot of expanded row r < nr (nr <= 4) with int16 activation row t < nt
+  // (xq rows of ldq elements; xd, xm rows of lds floats, zero-padded to nc8 chunks). split: dlo != dhi.
+  // Per (r, t) and lane l the same float operations in the same order on every ISA: per chunk
+  // acc = fma(float(p), dlo * xd, acc) (split: two fmas, dlo then dhi), after each 8th chunk (and the last)
+  // acc = fma(mn, xm, acc) over the 8 chunks' lanes when has_min, and out = hsum(acc).
+  void (*dot16)(const Row16* rows, int nr, bool split, bool has_min, int nc, int nt, const int16_t* xq,
+                int64_t ldq, const float* xd, const float* xm, int64_t lds, float* out, int64_t ldo_t,
+                int64_t ldo_r);
   // y[i] = fma(a, x[i], y[i])
   void (*axpy)(float a, const float* x, float* y, int n);
 };

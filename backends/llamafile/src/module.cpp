@@ -3,7 +3,9 @@
 //
 //   Engine(threads, isa)                       isa: "auto" | "vnni" | "avx2" | "scalar"
 //   Engine.quantize_act(...)                   fp32 rows -> per-32 int8 blocks (scale, sum), 1 or 2 planes
+//   Engine.quantize_act16(...)                 fp32 rows -> per-32 int16 blocks (scale, scale * sum)
 //   Engine.matmul(...)                         out[r, n] = W_e[n, :] . x[r, :] for the rows r routed to expert e
+//   Engine.matmul16(...)                       the same on int16 activations (expanded int16 weights, tiles)
 //   Engine.matmul_t(...)                       out[r, :] += sum_n g[r, n] * W_e[n, :]  (transposed, from the blocks)
 //   dequantize / quantize / type_info          block helpers (tests, pack, ktcore convert)
 #include <pybind11/pybind11.h>
@@ -47,12 +49,21 @@ const Kernels& select_kernels(const std::string& isa) {
 template <class T>
 T* P(uintptr_t a) { return reinterpret_cast<T*>(a); }
 
+int nc8_of(int kp) { return (kp / 32 + 7) / 8 * 8; }
+
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> f;
   std::vector<float> out;
   void need_out(int64_t n) {
     if ((int64_t)out.size() < n) out.resize(n);
+  }
+  std::vector<int16_t> w16;
+  std::vector<float> f16;
+  void need16(int64_t kp, int64_t nc8, int rows) {
+    if ((int64_t)w16.size() < rows * kp) w16.resize(rows * kp);
+    if ((int64_t)f16.size() < rows * 3 * nc8) f16.resize(rows * 3 * nc8);
+    if ((int64_t)q.size() < kp) q.resize(kp);
   }
   void need(int64_t kp) {
     if ((int64_t)q.size() < kp) q.resize(kp);
@@ -76,7 +87,7 @@ class Engine {
                     uintptr_t xm, int planes) {
     if (planes != 1 && planes != 2) throw std::invalid_argument("planes must be 1 or 2");
     const int nc = kp / 32;
-    pool_.parallel_for(R, [&](int64_t r0, int64_t r1, int) {
+    run(R, (int64_t)R * kp, [&](int64_t r0, int64_t r1, int) {
       float buf[32];
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t src = rows ? P<int32_t>(rows)[r] : r;
@@ -104,7 +115,63 @@ class Engine {
           }
         }
       }
-    }, 4);
+    });
+  }
+
+  // activations="q16": x rows (fp32, ldx; rows as in quantize_act) -> xq int16 [R, kp], xd / xm [R, nc8] fp32
+  // (Kernels::quant16: per 32 elements d = amax / 32767, q = round(x / d), m = d * sum(q); nc8 = kp/32 rounded
+  // up to 8, the padding chunks 0).
+  void quantize_act16(uintptr_t x, int64_t ldx, uintptr_t rows, int64_t R, int k, int kp, uintptr_t xq, uintptr_t xd,
+                      uintptr_t xm) {
+    const int nc8 = nc8_of(kp);
+    run(R, (int64_t)R * kp, [&](int64_t r0, int64_t r1, int) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t src = rows ? P<int32_t>(rows)[r] : r;
+        k_.quant16(P<float>(x) + src * ldx, k, kp, nc8, P<int16_t>(xq) + r * kp, P<float>(xd) + r * nc8,
+                   P<float>(xm) + r * nc8);
+      }
+    });
+  }
+
+  // matmul on q16 activations (quantize_act16): out[r, n] (ldo) for the rows r of each expert e and weight rows
+  // n < N. A task is (expert, 16 weight rows); it expands 4 weight rows at a time to int16 (L1-resident) and
+  // runs them against the expert's tokens, 64 tokens at a time, in 4-row x 3-token register tiles.
+  void matmul16(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int kp, uintptr_t offsets,
+                int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t out, int64_t ldo) {
+    const TypeInfo ti = type_info(qtype);
+    if (!ti.quantised) throw std::invalid_argument("matmul16: float block types take fp32 activations");
+    const int nc = kp / 32, nc8 = nc8_of(kp), nblocks = kp / ti.block_elems;
+    const bool split = qtype == Q6_K;
+    const int64_t* off = P<int64_t>(offsets);
+    const int tile = 16, RT = 4, TB = 64;
+    const int64_t tiles = (N + tile - 1) / tile;
+    std::vector<int> experts;
+    for (int e = 0; e < E; ++e) if (off[e + 1] > off[e]) experts.push_back(e);
+    pool_.parallel_for((int64_t)experts.size() * tiles, [&](int64_t b, int64_t end, int tid) {
+      Scratch& s = scratch_[tid];
+      s.need16(kp, nc8, RT);
+      Row16 rows[RT];
+      for (int i = 0; i < RT; ++i) {
+        float* f = s.f16.data() + (int64_t)i * 3 * nc8;
+        rows[i] = Row16{s.w16.data() + (int64_t)i * kp, f, f + nc8, f + 2 * nc8};
+      }
+      for (int64_t job = b; job < end; ++job) {
+        const int e = experts[job / tiles];
+        const int n0 = (int)(job % tiles) * tile, n1 = std::min(N, n0 + tile);
+        const int64_t r0 = off[e], nt = off[e + 1] - r0;
+        const uint8_t* we = P<uint8_t>(w) + e * expert_stride;
+        for (int64_t t0 = 0; t0 < nt; t0 += TB) {
+          const int ntb = (int)std::min<int64_t>(TB, nt - t0);
+          const int64_t rr = r0 + t0;
+          for (int n = n0; n < n1; n += RT) {
+            const int nr = std::min(RT, n1 - n);
+            for (int i = 0; i < nr; ++i) k_.expand16(qtype, we + (n + i) * row_bytes, nblocks, nc8, rows[i], s.q.data());
+            k_.dot16(rows, nr, split, ti.has_min, nc, ntb, P<int16_t>(xq) + rr * kp, kp, P<float>(xd) + rr * nc8,
+                     P<float>(xm) + rr * nc8, nc8, P<float>(out) + rr * ldo + n, ldo, 1);
+          }
+        }
+      }
+    });
   }
 
   // out[r, n] (ldo) for the rows r in [off[e], off[e+1]) and weight rows n < N of expert e.
@@ -193,6 +260,14 @@ class Engine {
   }
 
  private:
+  // Small work (fewer than ~64K elements) runs on the calling thread: waking the pool costs more than it saves,
+  // and much more while torch's OpenMP workers still spin on the cores after a torch op.
+  template <class F>
+  void run(int64_t n, int64_t work, const F& fn) {
+    if (work < (1 << 16) || pool_.num_threads() == 1) fn(0, n, 0);
+    else pool_.parallel_for(n, fn, std::max<int64_t>(1, n / (8 * pool_.num_threads())));
+  }
+
   const Kernels& k_;
   ktcore::ThreadPool pool_;
   std::vector<Scratch> scratch_;
@@ -223,5 +298,7 @@ PYBIND11_MODULE(_ext, m) {
       .def_property_readonly("isa", &Engine::isa)
       .def("quantize_act", &Engine::quantize_act, py::call_guard<py::gil_scoped_release>())
       .def("matmul", &Engine::matmul, py::call_guard<py::gil_scoped_release>())
+      .def("quantize_act16", &Engine::quantize_act16, py::call_guard<py::gil_scoped_release>())
+      .def("matmul16", &Engine::matmul16, py::call_guard<py::gil_scoped_release>())
       .def("matmul_t", &Engine::matmul_t, py::call_guard<py::gil_scoped_release>());
 }

@@ -61,7 +61,7 @@ class TestQ8_0Scalar(_Quantised):
     isa = "scalar"
 
 
-def _pair(fmt, seed=0, tokens=24):
+def _pair(fmt, seed=0, tokens=24, activations="q16"):
     from ktcore_llamafile.backend import LlamafileBackend
     from ktcore.testing.contract import Case
 
@@ -70,7 +70,8 @@ def _pair(fmt, seed=0, tokens=24):
     weights, x, ids, w, lora = t.problem(case, seed=seed)
     out = {}
     for isa in ("scalar", "avx2"):
-        be = LlamafileBackend({"kt_expert_weight_format": fmt, "kt_num_threads": 2}, isa=isa)
+        be = LlamafileBackend({"kt_expert_weight_format": fmt, "kt_num_threads": 2}, isa=isa,
+                              activations=activations)
         packed = be.pack(weights)
         y, ctx = be.forward(packed, x, ids, w, lora, save=True)
         gx, gw, lg = be.backward(packed, ctx, torch.ones_like(x), lora)
@@ -79,9 +80,10 @@ def _pair(fmt, seed=0, tokens=24):
 
 
 @pytest.mark.skipif(not __import__("ktcore_llamafile._ext", fromlist=["x"]).cpu_has("avx2"), reason="no AVX2")
+@pytest.mark.parametrize("activations", ["q16", "q8"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k", "bf16", "f16", "fp32"])
-def test_avx2_and_scalar_paths_agree_bitwise(fmt):
-    out = _pair(fmt)
+def test_avx2_and_scalar_paths_agree_bitwise(fmt, activations):
+    out = _pair(fmt, activations=activations)
     for a, b in zip(out["scalar"], out["avx2"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -139,33 +141,37 @@ def test_unsupported_format_is_explained():
 
 
 def test_two_activation_planes_are_far_more_accurate_than_one(monkeypatch):
-    """activations="q8x2" (default: x and its residual, two int8 planes) vs "q8" (ggml's single Q8 plane)."""
+    """activations="q16" (default: one int16 plane; "q8x2" its former name) vs "q8" (ggml's single Q8 plane)."""
     from ktcore_llamafile.backend import LlamafileBackend
     from ktcore.testing.contract import Case, dense_reference
 
     weights, x, ids, w, _ = ExpertBackendContract().problem(Case(8, 512, 256, 16, 2), seed=1)
     errs = {}
-    for mode in ("q8", "q8x2"):
+    for mode in ("q8", "q16"):
         be = LlamafileBackend({"kt_expert_weight_format": "q4_1", "kt_num_threads": 2}, activations=mode)
         packed = be.pack(weights)
         ref = dense_reference(be.dequantize(packed), x.double(), ids, w.double())
         errs[mode] = relative_error(be.forward(packed, x, ids, w)[0], ref)
-    assert errs["q8x2"] < 1e-3 and errs["q8x2"] < errs["q8"] / 30, errs
+    assert errs["q16"] < 1e-3 and errs["q16"] < errs["q8"] / 30, errs
     monkeypatch.setenv("KTCORE_LLAMAFILE_ACT", "q8")
     assert LlamafileBackend({}).activations == "q8"
+    monkeypatch.setenv("KTCORE_LLAMAFILE_ACT", "q8x2")
+    assert LlamafileBackend({}).activations == "q16"
     with pytest.raises(ValueError):
         LlamafileBackend({}, activations="int4")
 
 
 @pytest.mark.skipif(not __import__("ktcore_llamafile._ext", fromlist=["x"]).cpu_has("avx2"), reason="no AVX2")
+@pytest.mark.parametrize("activations", ["q16", "q8"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
-def test_in_place_row_kernels_match_scalar_on_raw_blocks(fmt):
-    """AVX2 dots Q8_0/Q4_0/Q4_1/Q4_K blocks in place (no unpacked scratch row): bit for bit the scalar path, on
-    random raw blocks (every scale/min bit pattern) and every token-tile remainder."""
+def test_in_place_row_kernels_match_scalar_on_raw_blocks(fmt, activations):
+    """AVX2 kernels on raw blocks, bit for bit the scalar path, on random raw blocks (every scale/min bit
+    pattern) and every row- and token-tile remainder: q8 dots Q8_0/Q4_0/Q4_1/Q4_K blocks in place (no unpacked
+    scratch row); q16 expands rows to int16 (vectorised for those four types) and runs 4x3 register tiles."""
     from ktcore_llamafile.backend import LlamafileBackend
 
     g = torch.Generator().manual_seed(3)
-    E, H, I = 3, 512, 256
+    E, H, I = 3, 512, 203  # I: row-tile remainders (16-row tasks, 4-row tiles), odd chunk counts
     elems, nbytes = B.block_info(fmt)
     offs = {"q4_0": (0,), "q4_1": (0, 2), "q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[fmt]
 
@@ -177,12 +183,12 @@ def test_in_place_row_kernels_match_scalar_on_raw_blocks(fmt):
         return arr
 
     gate, up, down = raw(I, H), raw(I, H), raw(H, I)
-    for T in (1, 2, 3, 5):
+    for T in (1, 2, 3, 5, 40):
         x = torch.randn(T, H, generator=g)
         ids = torch.rand(T, E, generator=g).topk(2, dim=1).indices
         w = torch.rand(T, 2, generator=g)
         ys = []
         for isa in ("scalar", "avx2"):
-            be = LlamafileBackend({"kt_num_threads": 2}, isa=isa)
+            be = LlamafileBackend({"kt_num_threads": 2}, isa=isa, activations=activations)
             ys.append(be.forward(be.pack_blocks(gate, up, down, fmt, H, I), x, ids, w)[0])
         torch.testing.assert_close(ys[0], ys[1], rtol=0, atol=0)

@@ -111,8 +111,8 @@ def test_smollm2_logits_match_transformers_dequantised(smollm2):
     err = relative_error(got, ref)
     # "bf16 tolerance": the same dequantised model run in bf16 drifts from fp32 by err_bf16 (~2.3%) over 30
     # layers; the MLPs computed from the Q4_1 blocks must stay within that. Single-plane int8 activations
-    # (activations="q8", ggml's Q8_1 rule) give ~1.2% per MLP and 3.1% here; the default two planes
-    # (x and its residual) give ~5e-5 per MLP.
+    # (activations="q8", ggml's Q8_1 rule) give ~1.2% per MLP and 3.1% here; the default int16 activations
+    # (q16, as fine as the former two int8 planes x and residual) give ~5e-5 per MLP.
     import copy
 
     with torch.no_grad():
