@@ -1,8 +1,8 @@
 """The amx_bf16 expert backend: torch glue around the compiled kernels in ``ktcore_amx_bf16._ext``.
 
-Tensors cross into C++ as addresses (``data_ptr()``) and sizes only. Per call the routing is sorted by
-expert in torch (a stable argsort); C++ gathers the rows as bf16, runs gate+up in one pass with the
-SiLU(gate)*up epilogue, the down projection, and combines with the routing weights in fp32. Backward derives
+Tensors cross into C++ as addresses (``data_ptr()``) and sizes only. Per call C++ sorts the routing by expert
+(a stable counting sort), gathers the rows as bf16 straight into AMX tile order, runs gate+up in one pass with
+the SiLU(gate)*up epilogue, the down projection, and combines with the routing weights in fp32. Backward derives
 the transposed weight tiles per task from the packed weights (nothing transposed stays resident). Expert
 LoRA is applied in fp32 with small per-expert torch matmuls between the C++ phases.
 """
@@ -18,7 +18,7 @@ import torch
 
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 
-_SLACK = 32  # extra rows after each gathered buffer: AMX tiles read whole 16-row groups
+_SLACK = 32  # extra rows after the row-major h buffer: AMX tiles read whole 16-row groups
 
 
 def _ext():
@@ -60,11 +60,16 @@ class _Route:
     K: int
     R: int
     offsets: torch.Tensor  # int64 [E+1]
+    padded: torch.Tensor  # int64 [E+1]: expert e's rows start at padded[e] in the tiled buffers (16-row groups)
     row_tok: torch.Tensor  # int32 [R]
     row_of: torch.Tensor  # int32 [T*K], -1 for no expert
     order: torch.Tensor  # int64 [R]: flat slot index of each row
     w_flat: torch.Tensor  # fp32 [T*K]
     w_row: torch.Tensor  # fp32 [R]
+
+    @property
+    def padded_rows(self) -> int:
+        return int(self.padded[-1])
 
     @property
     def counts(self) -> list:
@@ -165,23 +170,25 @@ class AMXBF16Backend(ExpertBackendBase):
         ids = topk_ids.to(torch.int64).contiguous()
         w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
         offsets = torch.empty(num_experts + 1, dtype=torch.int64)
+        padded = torch.empty(num_experts + 1, dtype=torch.int64)
         row_tok = torch.empty(n, dtype=torch.int32)
         row_of = torch.empty(n, dtype=torch.int32)
         order = torch.empty(n, dtype=torch.int64)
         w_row = torch.empty(n, dtype=torch.float32)
         R = self._engine.route(ids.data_ptr(), T, K, num_experts, w_flat.data_ptr(), offsets.data_ptr(),
-                               row_tok.data_ptr(), row_of.data_ptr(), order.data_ptr(), w_row.data_ptr())
-        return _Route(T, K, R, offsets, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
+                               padded.data_ptr(), row_tok.data_ptr(), row_of.data_ptr(), order.data_ptr(),
+                               w_row.data_ptr())
+        return _Route(T, K, R, offsets, padded, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
 
     def _gather(self, src: torch.Tensor, route: _Route, hp: int) -> torch.Tensor:
+        """The routed rows of src as bf16 in the tiled A layout (kernels.hpp ALayout::tiles), hp columns."""
         if src.dtype not in (torch.float32, torch.bfloat16):
             src = src.float()
         src = src.contiguous()
-        ld = _ld(hp)
-        out = torch.empty(route.R + _SLACK, ld, dtype=torch.bfloat16)
-        self._zero_rows(out, route.R)
+        out = torch.empty(route.padded_rows, hp, dtype=torch.bfloat16)
         self._engine.gather(src.data_ptr(), src.dtype == torch.bfloat16, src.shape[1], src.shape[1], hp,
-                            route.row_tok.data_ptr(), route.R, out.data_ptr(), ld)
+                            route.offsets.data_ptr(), route.padded.data_ptr(), len(route.offsets) - 1,
+                            route.row_tok.data_ptr(), out.data_ptr())
         return out
 
     def _zero_rows(self, buf: torch.Tensor, start: int) -> None:
@@ -222,8 +229,8 @@ class AMXBF16Backend(ExpertBackendBase):
         g = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
         u = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
         off = route.offsets
-        eng.gate_up(xs.data_ptr(), off.data_ptr(), packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I,
-                    h.data_ptr(), _addr(g), _addr(u), not lora_gu, xs.shape[1], ldh)
+        eng.gate_up(xs.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
+                    packed.up.data_ptr(), E, H, I, h.data_ptr(), _addr(g), _addr(u), not lora_gu, ldh)
         prof("fwd.gate_up")
         if lora_gu:
             a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
@@ -270,7 +277,8 @@ class AMXBF16Backend(ExpertBackendBase):
         gys = self._gather(grad_y, route, hp)
         prof("bwd.gather")
         gh = torch.empty(R, I, dtype=torch.float32)
-        eng.bwd_down(gys.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, gh.data_ptr(), gys.shape[1])
+        eng.bwd_down(gys.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.down.data_ptr(), E, H, I,
+                     gh.data_ptr())
         prof("bwd.down")
         if lora_dn:
             a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
@@ -287,19 +295,18 @@ class AMXBF16Backend(ExpertBackendBase):
                 db[e] = s * ((we * ge).T @ (he @ ae.T))
             grads.down_a, grads.down_b = da.to(a.dtype), db.to(b.dtype)
 
-        ldg = _ld(2 * ip)
-        ggu = torch.empty(R + _SLACK, ldg, dtype=torch.bfloat16)
-        self._zero_rows(ggu, R)
+        ggu = torch.empty(route.padded_rows, 2 * ip, dtype=torch.bfloat16)  # tiled like the gathered rows
         ggu32 = torch.empty(R, 2 * I, dtype=torch.float32) if lora_gu else None
         grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
         eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
-        eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(), R, I,
-                    ggu.data_ptr(), _addr(ggu32), grad_w.data_ptr(), ctx.h.shape[1], ldg, route.order.data_ptr())
+        eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
+                    off.data_ptr(), route.padded.data_ptr(), E, I, ggu.data_ptr(), _addr(ggu32), grad_w.data_ptr(),
+                    ctx.h.shape[1], route.order.data_ptr())
         prof("bwd.act")
         del gh
         parts = torch.empty(eng.num_pools, R, H, dtype=torch.float32)
-        eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I,
-                        parts.data_ptr(), ldg)
+        eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
+                        packed.up.data_ptr(), E, H, I, parts.data_ptr())
         prof("bwd.gate_up")
         if lora_gu:
             a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)

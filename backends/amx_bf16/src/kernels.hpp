@@ -13,12 +13,24 @@ namespace ktamx {
 
 constexpr int kBlockElems = 512;  // 16 x 32 bf16
 
+// Where the bf16 activations (the A operand) live: element (r, c) at
+//   A[(r / 16) * group + (r % 16) * row + (c / 32) * kblock + c % 32].
+// "rows" is plain row-major; "tiles" stores every 16 x 32 tile as one contiguous KiB, so a tile load reads
+// 16 consecutive cache lines (one stream for the prefetchers, no L1 set conflicts, no TLB spread). A tiled
+// buffer starts a 16-row group wherever a GEMM starts, so each expert's rows are padded to a multiple of 16.
+struct ALayout {
+  int64_t row, kblock, group;
+  static ALayout rows(int64_t lda) { return {lda, 32, 16 * lda}; }
+  static ALayout tiles(int64_t cols) { return {32, kBlockElems, (cols + 31) / 32 * kBlockElems}; }
+  int64_t at(int64_t r, int64_t c) const { return r / 16 * group + r % 16 * row + c / 32 * kblock + c % 32; }
+};
+
 struct KernelTable {
   const char* name;
   // C[m, 0:16] (+)= A[m, 0:32kb] @ stream0^T ; C[m, 16:32] (+)= A @ stream1^T.
-  // A is bf16 row-major with lda elements per row and must have readable rows up to roundup(m, 32).
+  // A (bf16, layout la, row 0 at the start of a 16-row group) must have readable rows up to roundup(m, 16).
   // C (fp32, ldc floats per row) must have roundup(m, 32) rows. acc: add to C instead of overwriting.
-  void (*gemm_block)(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, const uint16_t* B1,
+  void (*gemm_block)(const uint16_t* A, ALayout la, int64_t m, const uint16_t* B0, const uint16_t* B1,
                      int64_t kb, float* C, int64_t ldc, int acc);
   // From forward blocks fa = (2q, p) and fb = (2q+1, p) of W, build the two blocks of W^T covering
   // W^T rows (= W columns) 32p..32p+15 (out0) and 32p+16..32p+31 (out1) and W^T columns 32q..32q+31.

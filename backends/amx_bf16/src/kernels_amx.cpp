@@ -18,9 +18,9 @@ static inline void ensure_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-// few rows (decode): AVX512_BF16 dot products straight on the packed VNNI blocks
+// few rows (decode): AVX512_BF16 dot products straight on the packed VNNI blocks (rows < 16: one group)
 template <int M>
-static void gemm_small(const uint16_t* A, int64_t lda, const uint16_t* B0, const uint16_t* B1, int64_t kb,
+static void gemm_small(const uint16_t* A, ALayout la, const uint16_t* B0, const uint16_t* B1, int64_t kb,
                        float* C, int64_t ldc, int acc) {
   __m512 c0[M], c1[M];
   for (int r = 0; r < M; ++r) {
@@ -30,6 +30,7 @@ static void gemm_small(const uint16_t* A, int64_t lda, const uint16_t* B0, const
   for (int64_t k = 0; k < kb; ++k) {
     const uint16_t* b0 = B0 + k * kBlockElems;
     const uint16_t* b1 = B1 + k * kBlockElems;
+    const uint16_t* a = A + k * la.kblock;
     for (int kp = 0; kp < 16; ++kp) {
       // one cache line of each stream's block 4 ahead per step: the whole block is fetched in time
       _mm_prefetch(reinterpret_cast<const char*>(b0 + 4 * kBlockElems + kp * 32), _MM_HINT_T0);
@@ -38,7 +39,7 @@ static void gemm_small(const uint16_t* A, int64_t lda, const uint16_t* B0, const
       __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kp * 32);
       for (int r = 0; r < M; ++r) {
         uint32_t pair;
-        __builtin_memcpy(&pair, A + r * lda + k * 32 + 2 * kp, 4);
+        __builtin_memcpy(&pair, a + r * la.row + 2 * kp, 4);
         __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
         c0[r] = _mm512_dpbf16_ps(c0[r], x, w0);
         c1[r] = _mm512_dpbf16_ps(c1[r], x, w1);
@@ -51,9 +52,19 @@ static void gemm_small(const uint16_t* A, int64_t lda, const uint16_t* B0, const
   }
 }
 
-// software prefetch of block k of both weight streams (16 lines each); weights usually come from DRAM
-static inline void prefetch_blocks(const uint16_t* B0, const uint16_t* B1, int64_t k, int64_t kb) {
-  if (k >= kb) return;
+// Software prefetch of one 16-row A tile (or a 1 KiB B block): every line when the rows are scattered,
+// every fourth line of a contiguous KiB (the L1 streamer fetches its neighbours).
+static inline void prefetch_tile(const uint16_t* p, int64_t row_bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  if (row_bytes == 64) {
+    for (int l = 0; l < 1024; l += 256) _mm_prefetch(c + l, _MM_HINT_T0);
+  } else {
+    for (int r = 0; r < 16; ++r) _mm_prefetch(c + r * row_bytes, _MM_HINT_T0);
+  }
+}
+
+// all 16 lines of block k of both weight streams: on the first pass over a block pair they come from DRAM
+static inline void prefetch_blocks(const uint16_t* B0, const uint16_t* B1, int64_t k) {
   const char* p0 = reinterpret_cast<const char*>(B0 + k * kBlockElems);
   const char* p1 = reinterpret_cast<const char*>(B1 + k * kBlockElems);
   for (int l = 0; l < 1024; l += 64) {
@@ -62,67 +73,60 @@ static inline void prefetch_blocks(const uint16_t* B0, const uint16_t* B1, int64
   }
 }
 
-static void gemm_block(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, const uint16_t* B1,
+// Each 32-row group runs the whole K with its 32 x 32 C block held in four tiles (2 A x 2 B tiles per step).
+// A tiles are prefetched two steps ahead; B blocks eight steps ahead on the first group (DRAM), two steps
+// ahead on later groups (L2). Measured on the device's Xeon against a K-chunked loop with C round trips through
+// memory: 1.2-1.9x (scratch_amx harness, see benchmarks/RESULTS.md).
+static void gemm_block(const uint16_t* A, ALayout la, int64_t m, const uint16_t* B0, const uint16_t* B1,
                        int64_t kb, float* C, int64_t ldc, int acc) {
   if (m <= 0) return;
   if (m <= 4) {
     switch (m) {
-      case 1: gemm_small<1>(A, lda, B0, B1, kb, C, ldc, acc); return;
-      case 2: gemm_small<2>(A, lda, B0, B1, kb, C, ldc, acc); return;
-      case 3: gemm_small<3>(A, lda, B0, B1, kb, C, ldc, acc); return;
-      default: gemm_small<4>(A, lda, B0, B1, kb, C, ldc, acc); return;
+      case 1: gemm_small<1>(A, la, B0, B1, kb, C, ldc, acc); return;
+      case 2: gemm_small<2>(A, la, B0, B1, kb, C, ldc, acc); return;
+      case 3: gemm_small<3>(A, la, B0, B1, kb, C, ldc, acc); return;
+      default: gemm_small<4>(A, la, B0, B1, kb, C, ldc, acc); return;
     }
   }
   ensure_tile_config();
-  const int64_t sa = lda * 2, sc = ldc * 4;
-  // K is walked in chunks of kKC blocks; within a chunk every 32-row group reuses the same B blocks
-  // (2 x kKC KB), which stay in L1, while C goes through the (L1/L2-resident) C buffer between chunks.
-  constexpr int64_t kKC = 8;
-  for (int64_t k0 = 0; k0 < kb; k0 += kKC) {
-    const int64_t k1 = k0 + kKC < kb ? k0 + kKC : kb;
-    const bool fresh = k0 == 0 && !acc;
-    for (int64_t m0 = 0; m0 < m; m0 += 32) {
-      const uint16_t* a0 = A + m0 * lda;
-      float* c = C + m0 * ldc;
-      const bool pf = m0 == 0;  // first pass over this chunk: fetch the next chunk's B blocks meanwhile
-      if (m - m0 > 16) {
-        const uint16_t* a1 = a0 + 16 * lda;
-        if (fresh) {
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        } else {
-          _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
-          _tile_loadd(2, c + 16 * ldc, sc); _tile_loadd(3, c + 16 * ldc + 16, sc);
+  const int64_t sa = la.row * 2, sc = ldc * 4;
+  constexpr int64_t kNear = 2, kFar = 8;
+  for (int64_t m0 = 0; m0 < m; m0 += 32) {
+    const uint16_t* a0 = A + m0 / 16 * la.group;
+    const uint16_t* a1 = a0 + la.group;
+    const bool two = m - m0 > 16;
+    float* c = C + m0 * ldc;
+    if (m0 == 0)
+      for (int64_t k = 0; k < kFar && k < kb; ++k) prefetch_blocks(B0, B1, k);
+    if (!acc) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+      _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
+      if (two) { _tile_loadd(2, c + 16 * ldc, sc); _tile_loadd(3, c + 16 * ldc + 16, sc); }
+    }
+    for (int64_t k = 0; k < kb; ++k) {
+      if (k + kNear < kb) {
+        prefetch_tile(a0 + (k + kNear) * la.kblock, sa);
+        if (two) prefetch_tile(a1 + (k + kNear) * la.kblock, sa);
+        if (m0 > 0) {
+          prefetch_tile(B0 + (k + kNear) * kBlockElems, 64);
+          prefetch_tile(B1 + (k + kNear) * kBlockElems, 64);
         }
-        for (int64_t k = k0; k < k1; ++k) {
-          if (pf) prefetch_blocks(B0, B1, k + kKC, kb);
-          _tile_loadd(4, a0 + k * 32, sa);
-          _tile_loadd(6, B0 + k * kBlockElems, 64);
-          _tile_loadd(7, B1 + k * kBlockElems, 64);
-          _tile_loadd(5, a1 + k * 32, sa);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
-        _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
-      } else {
-        if (fresh) {
-          _tile_zero(0); _tile_zero(1);
-        } else {
-          _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc);
-        }
-        for (int64_t k = k0; k < k1; ++k) {
-          if (pf) prefetch_blocks(B0, B1, k + kKC, kb);
-          _tile_loadd(4, a0 + k * 32, sa);
-          _tile_loadd(6, B0 + k * kBlockElems, 64);
-          _tile_loadd(7, B1 + k * kBlockElems, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
+      }
+      if (m0 == 0 && k + kFar < kb) prefetch_blocks(B0, B1, k + kFar);
+      _tile_loadd(4, a0 + k * la.kblock, sa);
+      _tile_loadd(6, B0 + k * kBlockElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, B1 + k * kBlockElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, a1 + k * la.kblock, sa);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
       }
     }
+    _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
+    if (two) { _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc); }
   }
 }
 

@@ -7,17 +7,17 @@ namespace portable {
 
 #include "elementwise.inc"
 
-static void gemm_block(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, const uint16_t* B1,
+static void gemm_block(const uint16_t* A, ALayout la, int64_t m, const uint16_t* B0, const uint16_t* B1,
                        int64_t kb, float* C, int64_t ldc, int acc) {
   for (int64_t r = 0; r < m; ++r) {
     float out[32];
     for (int i = 0; i < 32; ++i) out[i] = acc ? C[r * ldc + i] : 0.0f;
-    const uint16_t* a = A + r * lda;
     for (int64_t k = 0; k < kb; ++k) {
+      const uint16_t* a = A + la.at(r, 32 * k);
       const uint16_t* b0 = B0 + k * kBlockElems;
       const uint16_t* b1 = B1 + k * kBlockElems;
       for (int kp = 0; kp < 16; ++kp) {
-        float x0 = bf16_to_f32(a[k * 32 + 2 * kp]), x1 = bf16_to_f32(a[k * 32 + 2 * kp + 1]);
+        float x0 = bf16_to_f32(a[2 * kp]), x1 = bf16_to_f32(a[2 * kp + 1]);
         for (int n = 0; n < 16; ++n) {
           out[n] += x0 * bf16_to_f32(b0[kp * 32 + n * 2]) + x1 * bf16_to_f32(b0[kp * 32 + n * 2 + 1]);
           out[16 + n] += x0 * bf16_to_f32(b1[kp * 32 + n * 2]) + x1 * bf16_to_f32(b1[kp * 32 + n * 2 + 1]);

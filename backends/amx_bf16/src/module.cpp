@@ -76,6 +76,7 @@ struct Dims {
 struct Task {
   int32_t e, unit;
   int64_t r0, r1;  // rows [r0, r1) of expert e's rows
+  int64_t p0;      // row r0 in the tiled buffers (each expert's rows padded to a multiple of 16)
 };
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert computed per inner step (C scratch 32 KB)
@@ -127,10 +128,11 @@ class Engine {
   }
 
   // -- routing: stable counting sort of the (token, slot) pairs by expert ------------------------------------
-  // ids int64 [T*K], w fp32 [T*K]. Outputs: offsets [E+1]; for each row r (expert-major, then slot order):
-  // row_tok[r] (token), order[r] (flat slot), w_row[r]; row_of[slot] = row or -1 (no expert). Returns R.
-  int64_t route(uintptr_t ids_, int64_t T, int64_t Kk, int64_t E, uintptr_t w_, uintptr_t off_, uintptr_t row_tok_,
-                uintptr_t row_of_, uintptr_t order_, uintptr_t w_row_) {
+  // ids int64 [T*K], w fp32 [T*K]. Outputs: offsets [E+1] and padded offsets poff [E+1] (expert e's rows start
+  // at poff[e] in the tiled buffers); for each row r (expert-major, then slot order): row_tok[r] (token),
+  // order[r] (flat slot), w_row[r]; row_of[slot] = row or -1 (no expert). Returns R.
+  int64_t route(uintptr_t ids_, int64_t T, int64_t Kk, int64_t E, uintptr_t w_, uintptr_t off_, uintptr_t poff_,
+                uintptr_t row_tok_, uintptr_t row_of_, uintptr_t order_, uintptr_t w_row_) {
     const int64_t* ids = P<const int64_t>(ids_);
     const float* w = P<const float>(w_);
     int64_t* off = P<int64_t>(off_);
@@ -141,6 +143,9 @@ class Engine {
     std::fill(off, off + E + 1, 0);
     for (int64_t i = 0; i < n; ++i)
       if (ids[i] >= 0 && ids[i] < E) ++off[ids[i] + 1];
+    int64_t* poff = P<int64_t>(poff_);
+    poff[0] = 0;
+    for (int64_t e = 0; e < E; ++e) poff[e + 1] = poff[e] + rup(off[e + 1], 16);
     for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
     std::vector<int64_t> next(off, off + E);
     for (int64_t i = 0; i < n; ++i) {
@@ -159,16 +164,31 @@ class Engine {
   }
 
   // -- row movement ------------------------------------------------------------------------------------
-  // dst[r, 0:Hp] = bf16(src[tok[r], 0:H]) (zero padded)
-  void gather(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t H, int64_t Hp, uintptr_t tok_,
-              int64_t R, uintptr_t dst_, int64_t ldd) {
+  // Row r of the tiled buffers for padded row pr, or -1 for a padding row.
+  static int64_t source_row(int64_t pr, const int64_t* off, const int64_t* poff, int64_t E) {
+    const int64_t e = std::upper_bound(poff, poff + E + 1, pr) - poff - 1;
+    const int64_t i = pr - poff[e];
+    return i < off[e + 1] - off[e] ? off[e] + i : -1;
+  }
+
+  // tiled dst (Hp columns, poff[E] rows): row r = bf16(src[tok[r], 0:H]), zero padded; padding rows zero
+  void gather(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t H, int64_t Hp, uintptr_t off_,
+              uintptr_t poff_, int64_t E, uintptr_t tok_, uintptr_t dst_) {
+    const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
     const int32_t* tok = P<const int32_t>(tok_);
     uint16_t* dst = P<uint16_t>(dst_);
     const int64_t es = src_bf16 ? 2 : 4;
-    pools_[0]->parallel_for(R, [&](int64_t b, int64_t e, int) {
-      for (int64_t r = b; r < e; ++r)
-        K_->row_to_bf16(reinterpret_cast<const char*>(src) + tok[r] * src_stride * es, src_bf16, H, Hp,
-                        dst + r * ldd);
+    const ktamx::ALayout la = ktamx::ALayout::tiles(Hp);
+    pools_[0]->parallel_for(poff[E], [&](int64_t b, int64_t e, int) {
+      std::vector<uint16_t> row(Hp);
+      for (int64_t pr = b; pr < e; ++pr) {
+        const int64_t r = source_row(pr, off, poff, E);
+        if (r >= 0)
+          K_->row_to_bf16(reinterpret_cast<const char*>(src) + tok[r] * src_stride * es, src_bf16, H, Hp, row.data());
+        else
+          std::fill(row.begin(), row.end(), 0);
+        for (int64_t c = 0; c < Hp; c += 32) std::memcpy(dst + la.at(pr, c), row.data() + c, 64);
+      }
     }, 16);
   }
 
@@ -214,23 +234,25 @@ class Engine {
 
   // -- forward GEMMs -------------------------------------------------------------------------------------
   // gate and up in one pass; fused: also h = silu(g) * u. g/u (fp32 [R, I]) saved when their address != 0.
-  void gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I,
-               uintptr_t h_, uintptr_t g_, uintptr_t u_, bool fused, int64_t ldx, int64_t ldh) {
+  // xs: the gathered rows, tiled (Hp columns, padded rows)
+  void gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H,
+               int64_t I, uintptr_t h_, uintptr_t g_, uintptr_t u_, bool fused, int64_t ldh) {
     Dims d(E, H, I);
     const uint16_t* xs = P<const uint16_t>(xs_);
-    const int64_t* off = P<const int64_t>(off_);
+    const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
+    const ktamx::ALayout la = ktamx::ALayout::tiles(d.Hp);
     const uint16_t *gate = P<const uint16_t>(gate_), *up = P<const uint16_t>(up_);
     uint16_t* h = P<uint16_t>(h_);
     float *g = P<float>(g_), *u = P<float>(u_);
     // each pool owns a slice of I (in 32-column units, so that down's K split matches)
-    run_split(off, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
+    run_split(off, poff, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
       const int64_t nb = t.unit;  // unit = one 16-column block of gate and of up
       const int64_t row0 = t.r0, m = t.r1 - t.r0;
       float* C = scratch_c(pool, tid);
       const int64_t ncol = std::min<int64_t>(16, I - nb * 16);
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         int64_t mm = std::min(kRowChunk, m - m0);
-        K_->gemm_block(xs + (row0 + m0) * ldx, ldx, mm, d.gu_block(gate, t.e, nb, 0), d.gu_block(up, t.e, nb, 0),
+        K_->gemm_block(xs + la.at(t.p0 + m0, 0), la, mm, d.gu_block(gate, t.e, nb, 0), d.gu_block(up, t.e, nb, 0),
                        d.gu_kb(), C, 32, 0);
         for (int64_t r = 0; r < mm; ++r) {
           const int64_t row = row0 + m0 + r;
@@ -254,7 +276,7 @@ class Engine {
     const uint16_t* dn = P<const uint16_t>(down_);
     float* parts = P<float>(parts_);
     const int64_t R = off[E];
-    run_split(off, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
+    run_split(off, nullptr, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
       const int64_t np = t.unit;  // 32 output columns
       const int64_t row0 = t.r0, m = t.r1 - t.r0;
       float* C = scratch_c(pool, tid);
@@ -266,7 +288,7 @@ class Engine {
       }
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         int64_t mm = std::min(kRowChunk, m - m0);
-        K_->gemm_block(h + (row0 + m0) * ldh + kb0 * 32, ldh, mm, d.dn_block(dn, t.e, 2 * np, kb0),
+        K_->gemm_block(h + (row0 + m0) * ldh + kb0 * 32, ktamx::ALayout::rows(ldh), mm, d.dn_block(dn, t.e, 2 * np, kb0),
                        d.dn_block(dn, t.e, 2 * np + 1, kb0), kb1 - kb0, C, 32, 0);
         for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, ncol * 4);
       }
@@ -275,15 +297,17 @@ class Engine {
 
   // -- backward ------------------------------------------------------------------------------------------
   // gh[r, 0:I] = gys[r] @ down_e   (down^T tiles derived per task from the packed down: no resident copy)
-  void bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t down_, int64_t E, int64_t H, int64_t I, uintptr_t gh_,
-                int64_t ldx) {
+  // gys: the gathered output gradients, tiled like xs
+  void bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t down_, int64_t E, int64_t H, int64_t I,
+                uintptr_t gh_) {
     Dims d(E, H, I);
     const uint16_t* gys = P<const uint16_t>(gys_);
-    const int64_t* off = P<const int64_t>(off_);
+    const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
+    const ktamx::ALayout la = ktamx::ALayout::tiles(d.Hp);
     const uint16_t* dn = P<const uint16_t>(down_);
     float* gh = P<float>(gh_);
     const int64_t nq = d.Hp / 32;
-    run_split(off, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
+    run_split(off, poff, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
       const int64_t p = t.unit;  // 32 columns of I = forward k-block p of down
       const int64_t row0 = t.r0, m = t.r1 - t.r0;
       uint16_t *s0, *s1;
@@ -295,44 +319,52 @@ class Engine {
       const int64_t ncol = std::min<int64_t>(32, I - p * 32);
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         int64_t mm = std::min(kRowChunk, m - m0);
-        K_->gemm_block(gys + (row0 + m0) * ldx, ldx, mm, s0, s1, nq, C, 32, 0);
+        K_->gemm_block(gys + la.at(t.p0 + m0, 0), la, mm, s0, s1, nq, C, 32, 0);
         for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + r * 32, ncol * 4);
       }
     }, 1, 0, kBwdTaskRows);
   }
 
-  // per row: grad_w[r] = dot(gh[r], h[r]); ggu[r] = [dL/dg | dL/du] (bf16, Ip each); ggu32 fp32 [R, 2I] if set
-  void bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, int64_t R, int64_t I,
-               uintptr_t ggu_, uintptr_t ggu32_, uintptr_t gradw_, int64_t ldh, int64_t ldg, uintptr_t order_) {
+  // per row: grad_w[r] = dot(gh[r], h[r]); ggu[r] = [dL/dg | dL/du] (bf16, Ip each, tiled with padded rows like
+  // xs; padding rows zero); ggu32 fp32 [R, 2I] if set
+  void bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, uintptr_t off_,
+               uintptr_t poff_, int64_t E, int64_t I, uintptr_t ggu_, uintptr_t ggu32_, uintptr_t gradw_, int64_t ldh,
+               uintptr_t order_) {
     const int64_t* order = P<const int64_t>(order_);
+    const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
     const int64_t Ip = rup(I, 32);
+    const ktamx::ALayout la = ktamx::ALayout::tiles(2 * Ip);
     const float *gh = P<const float>(gh_), *g = P<const float>(g_), *u = P<const float>(u_);
     const float* wrow = P<const float>(wrow_);
     const uint16_t* h = P<const uint16_t>(h_);
     uint16_t* ggu = P<uint16_t>(ggu_);
     float* ggu32 = P<float>(ggu32_);
     float* gradw = P<float>(gradw_);
-    pools_[0]->parallel_for(R, [&](int64_t b, int64_t e, int) {
-      for (int64_t r = b; r < e; ++r) {
-        uint16_t* o = ggu + r * ldg;
-        gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o, o + Ip,
-                                    ggu32 ? ggu32 + r * 2 * I : nullptr, ggu32 ? ggu32 + r * 2 * I + I : nullptr);
-        std::fill(o + I, o + Ip, 0);
-        std::fill(o + Ip + I, o + 2 * Ip, 0);
+    pools_[0]->parallel_for(poff[E], [&](int64_t b, int64_t e, int) {
+      std::vector<uint16_t> o(2 * Ip);
+      for (int64_t pr = b; pr < e; ++pr) {
+        const int64_t r = source_row(pr, off, poff, E);
+        std::fill(o.begin(), o.end(), 0);
+        if (r >= 0)
+          gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o.data(),
+                                             o.data() + Ip, ggu32 ? ggu32 + r * 2 * I : nullptr,
+                                             ggu32 ? ggu32 + r * 2 * I + I : nullptr);
+        for (int64_t c = 0; c < 2 * Ip; c += 32) std::memcpy(ggu + la.at(pr, c), o.data() + c, 64);
       }
     }, 8);
   }
 
   // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I
-  void bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I,
-                   uintptr_t parts_, int64_t ldg) {
+  void bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_, uintptr_t up_, int64_t E,
+                   int64_t H, int64_t I, uintptr_t parts_) {
     Dims d(E, H, I);
     const uint16_t* ggu = P<const uint16_t>(ggu_);
-    const int64_t* off = P<const int64_t>(off_);
+    const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
+    const ktamx::ALayout la = ktamx::ALayout::tiles(2 * d.Ip);
     const uint16_t *gate = P<const uint16_t>(gate_), *up = P<const uint16_t>(up_);
     float* parts = P<float>(parts_);
     const int64_t R = off[E];
-    run_split(off, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
+    run_split(off, poff, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
       const int64_t np = t.unit;  // 32 output columns of H = forward k-block np of gate/up
       const int64_t row0 = t.r0, m = t.r1 - t.r0;
       float* out = parts + static_cast<int64_t>(pool) * R * H;
@@ -352,12 +384,11 @@ class Engine {
         }
       }
       float* C = scratch_c(pool, tid);
-      const int64_t lda = ldg;
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         int64_t mm = std::min(kRowChunk, m - m0);
-        const uint16_t* a = ggu + (row0 + m0) * lda;
-        K_->gemm_block(a + q0 * 32, lda, mm, s0, s1, nq, C, 32, 0);
-        K_->gemm_block(a + d.Ip + q0 * 32, lda, mm, s0 + nq * kBlockElems, s1 + nq * kBlockElems, nq, C, 32, 1);
+        K_->gemm_block(ggu + la.at(t.p0 + m0, q0 * 32), la, mm, s0, s1, nq, C, 32, 0);
+        K_->gemm_block(ggu + la.at(t.p0 + m0, d.Ip + q0 * 32), la, mm, s0 + nq * kBlockElems, s1 + nq * kBlockElems,
+                       nq, C, 32, 1);
         for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, ncol * 4);
       }
     }, 1, d.Ip / 32, kBwdTaskRows);
@@ -375,16 +406,16 @@ class Engine {
     std::vector<double> secs(n, 0.0);
     pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
       for (int64_t i = b; i < e; ++i) {
-        const int64_t lda = kb * 32 + 32;
-        std::vector<uint16_t> Av((m + 32) * lda + 32, 0x3f80), Bv(2 * kb * kBlockElems + 32, 0x3c00);
+        const ktamx::ALayout la = ktamx::ALayout::tiles(kb * 32);
+        std::vector<uint16_t> Av(rup(m, 32) * kb * 32 + 32, 0x3f80), Bv(2 * kb * kBlockElems + 32, 0x3c00);
         std::vector<float> Cv((m + 32) * 32 + 16);
         auto al = [](auto* p, uintptr_t esz) { return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / esz; };
         const uint16_t* A = al(Av.data(), 2);
         const uint16_t* B = al(Bv.data(), 2);
         float* C = al(Cv.data(), 4);
-        K_->gemm_block(A, lda, m, B, B + kb * kBlockElems, kb, C, 32, 0);
+        K_->gemm_block(A, la, m, B, B + kb * kBlockElems, kb, C, 32, 0);
         auto t0 = std::chrono::steady_clock::now();
-        for (int64_t it = 0; it < iters; ++it) K_->gemm_block(A, lda, m, B, B + kb * kBlockElems, kb, C, 32, 0);
+        for (int64_t it = 0; it < iters; ++it) K_->gemm_block(A, la, m, B, B + kb * kBlockElems, kb, C, 32, 0);
         secs[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
     });
@@ -443,7 +474,8 @@ class Engine {
   // Runs tasks (expert, unit) over all pools at once. With split_units the units are divided among the pools
   // (each pool its own slice of I, in groups of units_per_split_unit); otherwise every pool runs every unit
   // over its own slice [k0, k1) of ksplit blocks (partial sums, one output part per pool).
-  void run_split(const int64_t* off, int64_t E, int64_t nsplit, bool split_units, const TaskFn& fn,
+  // poff (may be null): padded offsets of the tiled buffers, for Task::p0.
+  void run_split(const int64_t* off, const int64_t* poff, int64_t E, int64_t nsplit, bool split_units, const TaskFn& fn,
                  int64_t units_per_split_unit = 1, int64_t ksplit = 0, int64_t task_rows = 0) {
     const int npools = num_pools();
     std::vector<std::vector<Task>> tasks(npools);
@@ -463,7 +495,7 @@ class Engine {
         for (int64_t r = 0; r < m; r += step)
           for (int64_t u = u0; u < u1; ++u)
             tasks[p].push_back({static_cast<int32_t>(e), static_cast<int32_t>(u), off[e] + r,
-                                off[e] + std::min(m, r + step)});
+                                off[e] + std::min(m, r + step), (poff ? poff[e] : 0) + r});
       }
     }
     std::vector<ThreadPool::Fn> fns(npools);
