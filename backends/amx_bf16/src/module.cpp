@@ -84,6 +84,13 @@ constexpr int64_t kRowChunk = 256;  // rows of one expert computed per inner ste
 // in its L2 (256 rows x 2048 x 2 B = 1 MB). Backward tasks take more rows: each derives transposed tiles.
 constexpr int64_t kFwdTaskRows = 256;
 constexpr int64_t kBwdTaskRows = 1024;
+// Backward reads the packed blocks it transposes at a stride of a whole stream (one KiB every KB KiB), which
+// the hardware prefetchers do not follow: fetch the blocks this many steps ahead.
+constexpr int64_t kTransposeAhead = 4;
+
+inline void prefetch_block(const uint16_t* b) {
+  for (int l = 0; l < kBlockElems * 2; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(b) + l);
+}
 
 class Engine {
  public:
@@ -171,25 +178,36 @@ class Engine {
     return i < off[e + 1] - off[e] ? off[e] + i : -1;
   }
 
-  // tiled dst (Hp columns, poff[E] rows): row r = bf16(src[tok[r], 0:H]), zero padded; padding rows zero
+  // Fills a tiled buffer (cols columns, poff[E] rows) one 16-row group at a time: fill(r, row) writes source row r
+  // (row-major, cols elements) into row; padding rows are zero. Whole 1 KiB tiles are written at once.
+  template <class Fill>
+  void fill_tiled(const int64_t* off, const int64_t* poff, int64_t E, int64_t cols, uint16_t* dst, Fill fill) {
+    const int64_t kb = cols / 32;
+    pools_[0]->parallel_for(poff[E] / 16, [&](int64_t b, int64_t e, int) {
+      std::vector<uint16_t> rows(16 * cols);
+      for (int64_t grp = b; grp < e; ++grp) {
+        for (int i = 0; i < 16; ++i) {
+          const int64_t r = source_row(16 * grp + i, off, poff, E);
+          if (r >= 0)
+            fill(r, rows.data() + i * cols);
+          else
+            std::fill(rows.data() + i * cols, rows.data() + (i + 1) * cols, 0);
+        }
+        uint16_t* out = dst + grp * kb * kBlockElems;
+        for (int64_t k = 0; k < kb; ++k, out += kBlockElems)
+          for (int i = 0; i < 16; ++i) std::memcpy(out + i * 32, rows.data() + i * cols + k * 32, 64);
+      }
+    });
+  }
+
+  // tiled dst (Hp columns, poff[E] rows): row r = bf16(src[tok[r], 0:H]), zero padded
   void gather(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t H, int64_t Hp, uintptr_t off_,
               uintptr_t poff_, int64_t E, uintptr_t tok_, uintptr_t dst_) {
-    const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
     const int32_t* tok = P<const int32_t>(tok_);
-    uint16_t* dst = P<uint16_t>(dst_);
     const int64_t es = src_bf16 ? 2 : 4;
-    const ktamx::ALayout la = ktamx::ALayout::tiles(Hp);
-    pools_[0]->parallel_for(poff[E], [&](int64_t b, int64_t e, int) {
-      std::vector<uint16_t> row(Hp);
-      for (int64_t pr = b; pr < e; ++pr) {
-        const int64_t r = source_row(pr, off, poff, E);
-        if (r >= 0)
-          K_->row_to_bf16(reinterpret_cast<const char*>(src) + tok[r] * src_stride * es, src_bf16, H, Hp, row.data());
-        else
-          std::fill(row.begin(), row.end(), 0);
-        for (int64_t c = 0; c < Hp; c += 32) std::memcpy(dst + la.at(pr, c), row.data() + c, 64);
-      }
-    }, 16);
+    fill_tiled(P<const int64_t>(off_), P<const int64_t>(poff_), E, Hp, P<uint16_t>(dst_), [&](int64_t r, uint16_t* row) {
+      K_->row_to_bf16(reinterpret_cast<const char*>(src) + tok[r] * src_stride * es, src_bf16, H, Hp, row);
+    });
   }
 
   // out[t] = sum_k wgt[t,k] * sum_p parts[p, row_of[t,k]]  (wgt null: weight 1); out fp32 or bf16
@@ -312,9 +330,14 @@ class Engine {
       const int64_t row0 = t.r0, m = t.r1 - t.r0;
       uint16_t *s0, *s1;
       scratch_streams(pool, tid, nq, &s0, &s1);
-      for (int64_t q = 0; q < nq; ++q)
+      for (int64_t q = 0; q < nq; ++q) {
+        if (q + kTransposeAhead < nq) {
+          prefetch_block(d.dn_block(dn, t.e, 2 * (q + kTransposeAhead), p));
+          prefetch_block(d.dn_block(dn, t.e, 2 * (q + kTransposeAhead) + 1, p));
+        }
         K_->transpose_pair(d.dn_block(dn, t.e, 2 * q, p), d.dn_block(dn, t.e, 2 * q + 1, p), s0 + q * kBlockElems,
                            s1 + q * kBlockElems);
+      }
       float* C = scratch_c(pool, tid);
       const int64_t ncol = std::min<int64_t>(32, I - p * 32);
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
@@ -331,27 +354,18 @@ class Engine {
                uintptr_t poff_, int64_t E, int64_t I, uintptr_t ggu_, uintptr_t ggu32_, uintptr_t gradw_, int64_t ldh,
                uintptr_t order_) {
     const int64_t* order = P<const int64_t>(order_);
-    const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
     const int64_t Ip = rup(I, 32);
-    const ktamx::ALayout la = ktamx::ALayout::tiles(2 * Ip);
     const float *gh = P<const float>(gh_), *g = P<const float>(g_), *u = P<const float>(u_);
     const float* wrow = P<const float>(wrow_);
     const uint16_t* h = P<const uint16_t>(h_);
     uint16_t* ggu = P<uint16_t>(ggu_);
     float* ggu32 = P<float>(ggu32_);
     float* gradw = P<float>(gradw_);
-    pools_[0]->parallel_for(poff[E], [&](int64_t b, int64_t e, int) {
-      std::vector<uint16_t> o(2 * Ip);
-      for (int64_t pr = b; pr < e; ++pr) {
-        const int64_t r = source_row(pr, off, poff, E);
-        std::fill(o.begin(), o.end(), 0);
-        if (r >= 0)
-          gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o.data(),
-                                             o.data() + Ip, ggu32 ? ggu32 + r * 2 * I : nullptr,
-                                             ggu32 ? ggu32 + r * 2 * I + I : nullptr);
-        for (int64_t c = 0; c < 2 * Ip; c += 32) std::memcpy(ggu + la.at(pr, c), o.data() + c, 64);
-      }
-    }, 8);
+    fill_tiled(P<const int64_t>(off_), P<const int64_t>(poff_), E, 2 * Ip, ggu, [&](int64_t r, uint16_t* o) {
+      std::fill(o, o + 2 * Ip, 0);
+      gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o, o + Ip,
+                                         ggu32 ? ggu32 + r * 2 * I : nullptr, ggu32 ? ggu32 + r * 2 * I + I : nullptr);
+    });
   }
 
   // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I
@@ -379,6 +393,10 @@ class Engine {
       for (int w = 0; w < 2; ++w) {
         const uint16_t* W = w ? up : gate;
         for (int64_t q = q0; q < q1; ++q) {
+          if (q + kTransposeAhead < q1) {
+            prefetch_block(d.gu_block(W, t.e, 2 * (q + kTransposeAhead), np));
+            prefetch_block(d.gu_block(W, t.e, 2 * (q + kTransposeAhead) + 1, np));
+          }
           int64_t o = (w * nq + q - q0) * kBlockElems;
           K_->transpose_pair(d.gu_block(W, t.e, 2 * q, np), d.gu_block(W, t.e, 2 * q + 1, np), s0 + o, s1 + o);
         }
