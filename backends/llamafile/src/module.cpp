@@ -135,7 +135,7 @@ class Engine {
 
   // matmul on q16 activations (quantize_act16): out[r, n] (ldo) for the rows r of each expert e and weight rows
   // n < N. A task is (expert, 16 weight rows); it expands 4 weight rows at a time to int16 (L1-resident) and
-  // runs them against the expert's tokens, 64 tokens at a time, in 4-row x 3-token register tiles.
+  // runs them against the expert's tokens, 64 tokens at a time, in 4-row x 2-token register tiles.
   void matmul16(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int kp, uintptr_t offsets,
                 int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t out, int64_t ldo) {
     const TypeInfo ti = type_info(qtype);

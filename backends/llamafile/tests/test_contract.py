@@ -167,7 +167,7 @@ def test_two_activation_planes_are_far_more_accurate_than_one(monkeypatch):
 def test_in_place_row_kernels_match_scalar_on_raw_blocks(fmt, activations):
     """AVX2 kernels on raw blocks, bit for bit the scalar path, on random raw blocks (every scale/min bit
     pattern) and every row- and token-tile remainder: q8 dots Q8_0/Q4_0/Q4_1/Q4_K blocks in place (no unpacked
-    scratch row); q16 expands rows to int16 (vectorised for those four types) and runs 4x3 register tiles."""
+    scratch row); q16 expands rows to int16 (vectorised for those four types) and runs 4x2 register tiles."""
     from ktcore_llamafile.backend import LlamafileBackend
 
     g = torch.Generator().manual_seed(3)
