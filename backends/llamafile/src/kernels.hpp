@@ -45,6 +45,11 @@ struct Kernels {
   void (*dot16)(const Row16* rows, int nr, bool split, bool has_min, int nc, int nt, const int16_t* xq,
                 int64_t ldq, const float* xd, const float* xm, int64_t lds, float* out, int64_t ldo_t,
                 int64_t ldo_r);
+  // dot16 of nr rows (row_bytes apart) straight from their nb GGUF blocks (no expanded copy; for a few tokens,
+  // where expanding costs more than the dot): out[r + t * ldo_t], bit for bit expand16 + dot16. Null, or false
+  // returned, where this table has no in-place kernel for the type or nt > 3: the caller then expands.
+  bool (*row16)(int qtype, const uint8_t* row, int64_t row_bytes, int nr, int nb, int nt, const int16_t* xq,
+                int64_t ldq, const float* xd, const float* xm, int64_t lds, float* out, int64_t ldo_t);
   // y[i] = fma(a, x[i], y[i])
   void (*axpy)(float a, const float* x, float* y, int n);
 };

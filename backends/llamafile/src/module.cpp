@@ -160,6 +160,10 @@ class Engine {
         const int n0 = (int)(job % tiles) * tile, n1 = std::min(N, n0 + tile);
         const int64_t r0 = off[e], nt = off[e + 1] - r0;
         const uint8_t* we = P<uint8_t>(w) + e * expert_stride;
+        if (nt <= 3 && k_.row16 &&  // decode: a few tokens, dotted straight from the blocks
+            k_.row16(qtype, we + n0 * row_bytes, row_bytes, n1 - n0, nblocks, (int)nt, P<int16_t>(xq) + r0 * kp, kp,
+                     P<float>(xd) + r0 * nc8, P<float>(xm) + r0 * nc8, nc8, P<float>(out) + r0 * ldo + n0, ldo))
+          continue;
         for (int64_t t0 = 0; t0 < nt; t0 += TB) {
           const int ntb = (int)std::min<int64_t>(TB, nt - t0);
           const int64_t rr = r0 + t0;
