@@ -72,6 +72,8 @@ def main():
     ap.add_argument("--skip-torch-backend", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also print per-phase times of forward+backward")
     ap.add_argument("--micro", action="store_true", help="also run the gemm_block micro-benchmark")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="amx_bf16 threads (kt_num_threads; default: every CPU this process may use)")
     args = ap.parse_args()
     min_time = 0.3 if args.quick else 1.0
 
@@ -80,7 +82,7 @@ def main():
         raise SystemExit(f"amx_bf16 cannot run on this machine: {why}")
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    amx = AMXBF16Backend({"kt_backend": "amx_bf16"})
+    amx = AMXBF16Backend({"kt_backend": "amx_bf16", "kt_num_threads": args.threads or threads})
     tb = get_backend("torch", {"kt_backend": "torch", "kt_expert_weight_format": "bf16"})
     lines = []
 
