@@ -9,7 +9,9 @@ LoRA is applied in fp32 with small per-expert torch matmuls between the C++ phas
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -112,6 +114,25 @@ def _addr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+class _Workspace(threading.local):
+    """Per-thread scratch buffers that live only within one forward or backward call, kept between calls.
+
+    A fresh large tensor is mmapped and page-faulted in on every call (on the development host 26 ms to allocate
+    and fill 32 MiB, 3.4 ms to refill a kept one), which costs as much as whole kernel phases. Buffers grow to the
+    largest call seen and are never handed out of the call that asked for them."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            buf = torch.empty(n + n // 4, dtype=dtype)  # some headroom: the next batch may be a little larger
+            self.buffers[name] = buf
+        return buf[:n].view(shape)
+
+
 class AMXBF16Backend(ExpertBackendBase):
     """AMX BF16 expert backend. ``kernels="portable"`` (tests only) runs the same code with plain C++ kernels."""
 
@@ -130,6 +151,7 @@ class AMXBF16Backend(ExpertBackendBase):
         threads = kt.kt_num_threads or len(os.sched_getaffinity(0))
         pools = kt.kt_threadpool_count if kt.kt_tp_enabled else 1
         self._engine = ext.Engine(int(threads), int(pools), kernels)
+        self._ws = _Workspace()
 
     @property
     def num_threads(self) -> int:
@@ -181,11 +203,12 @@ class AMXBF16Backend(ExpertBackendBase):
         return _Route(T, K, R, offsets, padded, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
 
     def _gather(self, src: torch.Tensor, route: _Route, hp: int) -> torch.Tensor:
-        """The routed rows of src as bf16 in the tiled A layout (kernels.hpp ALayout::tiles), hp columns."""
+        """The routed rows of src as bf16 in the tiled A layout (kernels.hpp ALayout::tiles), hp columns
+        (a workspace buffer: valid until the next gather on this thread)."""
         if src.dtype not in (torch.float32, torch.bfloat16):
             src = src.float()
         src = src.contiguous()
-        out = torch.empty(route.padded_rows, hp, dtype=torch.bfloat16)
+        out = self._ws.get("rows", (route.padded_rows, hp), torch.bfloat16)
         self._engine.gather(src.data_ptr(), src.dtype == torch.bfloat16, src.shape[1], src.shape[1], hp,
                             route.offsets.data_ptr(), route.padded.data_ptr(), len(route.offsets) - 1,
                             route.row_tok.data_ptr(), out.data_ptr())
@@ -223,7 +246,8 @@ class AMXBF16Backend(ExpertBackendBase):
         xs = self._gather(x, route, hp)
         prof("fwd.gather")
         ldh = _ld(ip)
-        h = torch.empty(R + _SLACK, ldh, dtype=torch.bfloat16)
+        h_shape = (R + _SLACK, ldh)
+        h = torch.empty(h_shape, dtype=torch.bfloat16) if save else self._ws.get("h", h_shape, torch.bfloat16)
         self._zero_rows(h, R)
         keep_gu = save or lora_gu
         g = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
@@ -241,7 +265,7 @@ class AMXBF16Backend(ExpertBackendBase):
                 g[r0:r1].add_(delta[:, :I], alpha=s)
                 u[r0:r1].add_(delta[:, I:], alpha=s)
             eng.silu_mul(g.data_ptr(), u.data_ptr(), R, I, ip, h.data_ptr(), ldh)
-        parts = torch.empty(eng.num_pools, R, H, dtype=torch.float32)
+        parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr(), ldh)
         prof("fwd.down")
         if lora_dn:
@@ -276,7 +300,7 @@ class AMXBF16Backend(ExpertBackendBase):
         prof = _Prof()
         gys = self._gather(grad_y, route, hp)
         prof("bwd.gather")
-        gh = torch.empty(R, I, dtype=torch.float32)
+        gh = self._ws.get("gh", (R, I), torch.float32)
         eng.bwd_down(gys.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.down.data_ptr(), E, H, I,
                      gh.data_ptr())
         prof("bwd.down")
@@ -295,16 +319,15 @@ class AMXBF16Backend(ExpertBackendBase):
                 db[e] = s * ((we * ge).T @ (he @ ae.T))
             grads.down_a, grads.down_b = da.to(a.dtype), db.to(b.dtype)
 
-        ggu = torch.empty(route.padded_rows, 2 * ip, dtype=torch.bfloat16)  # tiled like the gathered rows
-        ggu32 = torch.empty(R, 2 * I, dtype=torch.float32) if lora_gu else None
+        ggu = self._ws.get("ggu", (route.padded_rows, 2 * ip), torch.bfloat16)  # tiled like the gathered rows
+        ggu32 = self._ws.get("ggu32", (R, 2 * I), torch.float32) if lora_gu else None
         grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
         eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
         eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
                     off.data_ptr(), route.padded.data_ptr(), E, I, ggu.data_ptr(), _addr(ggu32), grad_w.data_ptr(),
                     ctx.h.shape[1], route.order.data_ptr())
         prof("bwd.act")
-        del gh
-        parts = torch.empty(eng.num_pools, R, H, dtype=torch.float32)
+        parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
                         packed.up.data_ptr(), E, H, I, parts.data_ptr())
         prof("bwd.gate_up")
