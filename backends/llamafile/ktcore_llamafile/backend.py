@@ -347,11 +347,11 @@ class LlamafileBackend(ExpertBackendBase):
             a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
             for e, r0, r1 in self._segments(route):
                 out[r0:r1].add_((h[r0:r1] @ a[e].float().T) @ b[e].float().T, alpha=s)
-        # y[t] = sum_k w * out over the token's K slots (the slots' rows scattered back, then summed over K:
-        # no index_add_, whose parallel scatter stalls behind the kernels' pool on few cores)
-        slots = torch.zeros(route.T * route.K, H, dtype=torch.float32)
-        slots[route.order] = out * route.w_row.unsqueeze(1)
-        y = slots.view(route.T, route.K, H).sum(1)
+        # y[t] = sum_k w * out over the token's K slots, in C++: torch's scatters (index_add_, index_put) run an
+        # OpenMP team that keeps spinning on the cores afterwards and slows the kernels' pool on few cores
+        y = torch.empty(route.T, H, dtype=torch.float32)
+        self._engine.combine(out.data_ptr(), out.stride(0), route.w_row.data_ptr(), route.order.data_ptr(), R,
+                             route.T, route.K, H, y.data_ptr(), y.stride(0))
         ctx = _Saved(xf, route, g, u, h, out, topk_weights.dtype) if save else None
         return y.to(x.dtype), ctx
 

@@ -6,6 +6,7 @@
 //   Engine.quantize_act16(...)                 fp32 rows -> per-32 int16 blocks (scale, scale * sum)
 //   Engine.matmul(...)                         out[r, n] = W_e[n, :] . x[r, :] for the rows r routed to expert e
 //   Engine.matmul16(...)                       the same on int16 activations (expanded int16 weights, tiles)
+//   Engine.combine(...)                        y[t] = sum_k w * out[row of slot (t, k)] (the forward's last step)
 //   Engine.matmul_t(...)                       out[r, :] += sum_n g[r, n] * W_e[n, :]  (transposed, from the blocks)
 //   dequantize / quantize / type_info          block helpers (tests, pack, ktcore convert)
 #include <pybind11/pybind11.h>
@@ -231,6 +232,25 @@ class Engine {
     });
   }
 
+  // y[t, :] = sum over k < K of w_row[r] * out[r, :] for the row r whose slot order[r] is t * K + k (slots no row
+  // took contribute 0), k ascending; order: int64 [R]. Replaces torch's scatter (index_put), whose OpenMP team
+  // then spins on the cores for milliseconds and slows the next kernel call.
+  void combine(uintptr_t out, int64_t ldo, uintptr_t w_row, uintptr_t order, int64_t R, int64_t T, int K, int H,
+               uintptr_t y, int64_t ldy) {
+    std::vector<int64_t> row_of(T * K, -1);
+    for (int64_t r = 0; r < R; ++r) row_of[P<int64_t>(order)[r]] = r;
+    run(T, T * K * H, [&](int64_t t0, int64_t t1, int) {
+      for (int64_t t = t0; t < t1; ++t) {
+        float* yt = P<float>(y) + t * ldy;
+        std::fill(yt, yt + H, 0.f);
+        for (int k = 0; k < K; ++k) {
+          const int64_t r = row_of[t * K + k];
+          if (r >= 0) k_.axpy(P<float>(w_row)[r], P<float>(out) + r * ldo, yt, H);
+        }
+      }
+    });
+  }
+
   // out[r, 0:k] += sum_n g[r, n] * W_e[n, 0:k] for the rows of each expert: the transposed product, with each
   // weight row dequantised block by block (a few blocks per task, never a resident dequantised copy).
   void matmul_t(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int k, uintptr_t offsets,
@@ -304,5 +324,6 @@ PYBIND11_MODULE(_ext, m) {
       .def("matmul", &Engine::matmul, py::call_guard<py::gil_scoped_release>())
       .def("quantize_act16", &Engine::quantize_act16, py::call_guard<py::gil_scoped_release>())
       .def("matmul16", &Engine::matmul16, py::call_guard<py::gil_scoped_release>())
+      .def("combine", &Engine::combine, py::call_guard<py::gil_scoped_release>())
       .def("matmul_t", &Engine::matmul_t, py::call_guard<py::gil_scoped_release>());
 }
