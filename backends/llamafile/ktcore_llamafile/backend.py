@@ -275,14 +275,15 @@ class LlamafileBackend(ExpertBackendBase):
     # -- C++ calls -----------------------------------------------------------------------------------------
     def _route(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> _Route:
         T, K = topk_ids.shape
-        ids = topk_ids.reshape(-1).to(torch.int64)
-        slots = torch.nonzero((ids >= 0) & (ids < E)).squeeze(1)
-        order = slots[torch.argsort(ids[slots], stable=True)]
-        counts = torch.bincount(ids[order], minlength=E)
-        offsets = torch.zeros(E + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        w_row = topk_weights.reshape(-1).to(torch.float32)[order].contiguous()
-        return _Route(T, K, order.numel(), offsets, (order // K).to(torch.int32).contiguous(), order, w_row)
+        ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
+        wts = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        offsets = torch.empty(E + 1, dtype=torch.int64)
+        order = torch.empty(T * K, dtype=torch.int64)
+        row_tok = torch.empty(T * K, dtype=torch.int32)
+        w_row = torch.empty(T * K, dtype=torch.float32)
+        R = self._engine.route(ids.data_ptr(), wts.data_ptr(), T * K, K, E, offsets.data_ptr(), order.data_ptr(),
+                               row_tok.data_ptr(), w_row.data_ptr())
+        return _Route(T, K, R, offsets, row_tok[:R], order[:R], w_row[:R])
 
     def _acts(self, proj: Projection, src: torch.Tensor, rows: Optional[torch.Tensor], R: int,
               cache: Optional[dict] = None) -> _Acts:

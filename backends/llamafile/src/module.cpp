@@ -6,6 +6,7 @@
 //   Engine.quantize_act16(...)                 fp32 rows -> per-32 int16 blocks (scale, scale * sum)
 //   Engine.matmul(...)                         out[r, n] = W_e[n, :] . x[r, :] for the rows r routed to expert e
 //   Engine.matmul16(...)                       the same on int16 activations (expanded int16 weights, tiles)
+//   Engine.route(...)                          the routed slots sorted by expert (offsets, order, token, weight)
 //   Engine.combine(...)                        y[t] = sum_k w * out[row of slot (t, k)] (the forward's last step)
 //   Engine.matmul_t(...)                       out[r, :] += sum_n g[r, n] * W_e[n, :]  (transposed, from the blocks)
 //   dequantize / quantize / type_info          block helpers (tests, pack, ktcore convert)
@@ -232,6 +233,28 @@ class Engine {
     });
   }
 
+  // Routing: the T*K slots (ids int64, weights fp32, both [T*K]) sorted by expert, stably (slot order within an
+  // expert); ids outside [0, E) are dropped. Writes offsets int64 [E+1], and for each row r < R (returned) its
+  // slot order[r], token row_tok[r] = order[r] / K and weight w_row[r]. A counting sort, on the calling thread.
+  int64_t route(uintptr_t ids, uintptr_t weights, int64_t TK, int K, int E, uintptr_t offsets, uintptr_t order,
+                uintptr_t row_tok, uintptr_t w_row) {
+    const int64_t* id = P<int64_t>(ids);
+    int64_t* off = P<int64_t>(offsets);
+    std::fill(off, off + E + 1, 0);
+    for (int64_t s = 0; s < TK; ++s)
+      if (id[s] >= 0 && id[s] < E) ++off[id[s] + 1];
+    for (int e = 0; e < E; ++e) off[e + 1] += off[e];
+    std::vector<int64_t> next(off, off + E);
+    for (int64_t s = 0; s < TK; ++s)
+      if (id[s] >= 0 && id[s] < E) {
+        const int64_t r = next[id[s]]++;
+        P<int64_t>(order)[r] = s;
+        P<int32_t>(row_tok)[r] = (int32_t)(s / K);
+        P<float>(w_row)[r] = P<float>(weights)[s];
+      }
+    return off[E];
+  }
+
   // y[t, :] = sum over k < K of w_row[r] * out[r, :] for the row r whose slot order[r] is t * K + k (slots no row
   // took contribute 0), k ascending; order: int64 [R]. Replaces torch's scatter (index_put), whose OpenMP team
   // then spins on the cores for milliseconds and slows the next kernel call.
@@ -325,5 +348,6 @@ PYBIND11_MODULE(_ext, m) {
       .def("quantize_act16", &Engine::quantize_act16, py::call_guard<py::gil_scoped_release>())
       .def("matmul16", &Engine::matmul16, py::call_guard<py::gil_scoped_release>())
       .def("combine", &Engine::combine, py::call_guard<py::gil_scoped_release>())
+      .def("route", &Engine::route, py::call_guard<py::gil_scoped_release>())
       .def("matmul_t", &Engine::matmul_t, py::call_guard<py::gil_scoped_release>());
 }
