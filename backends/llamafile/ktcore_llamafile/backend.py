@@ -107,28 +107,23 @@ class _Saved:
 
 
 class _Acts:
-    """Activations of R rows in the form a projection's kernel reads (quantised int8 or int16 blocks, or fp32)."""
+    """Activations of R rows in the form a projection's kernel reads (quantised int16 or int8 blocks, or fp32)."""
 
     def __init__(self, eng, src: torch.Tensor, rows: Optional[torch.Tensor], R: int, k: int, kp: int,
-                 quantised: bool, planes: int = 2):
+                 quantised: bool, bits: int = 16):
         self.kp = kp
-        self.planes = planes  # 1, 2: int8 planes (matmul); 16: one int16 plane (matmul16)
+        self.bits = bits  # 16: int16 (quantize_act16, matmul16); 8: int8 (quantize_act, matmul)
         rp = 0 if rows is None else rows.data_ptr()
-        if quantised and planes == 16:
-            nc8 = (kp // 32 + 7) // 8 * 8
-            self.xq = torch.empty(R, kp, dtype=torch.int16)
-            self.xd = torch.empty(R, nc8, dtype=torch.float32)
-            self.xm = torch.empty(R, nc8, dtype=torch.float32)
-            eng.quantize_act16(src.data_ptr(), src.stride(0), rp, R, k, kp, self.xq.data_ptr(), self.xd.data_ptr(),
-                               self.xm.data_ptr())
-            self.ptrs = (self.xq.data_ptr(), self.xd.data_ptr(), self.xm.data_ptr(), 0)
-        elif quantised:
+        if quantised:
             nc = kp // 32
-            self.xq = torch.empty(R * planes, kp, dtype=torch.int8)
-            self.xd = torch.empty(R * planes, nc, dtype=torch.float32)
-            self.xm = torch.empty(R * planes, nc, dtype=torch.float32)
-            eng.quantize_act(src.data_ptr(), src.stride(0), rp, R, k, kp,
-                             self.xq.data_ptr(), self.xd.data_ptr(), self.xm.data_ptr(), planes)
+            if bits == 16:
+                nc = (nc + 7) // 8 * 8  # scales zero-padded to whole groups of 8 chunks
+            self.xq = torch.empty(R, kp, dtype=torch.int16 if bits == 16 else torch.int8)
+            self.xd = torch.empty(R, nc, dtype=torch.float32)
+            self.xm = torch.empty(R, nc, dtype=torch.float32)
+            quantize = eng.quantize_act16 if bits == 16 else eng.quantize_act
+            quantize(src.data_ptr(), src.stride(0), rp, R, k, kp, self.xq.data_ptr(), self.xd.data_ptr(),
+                     self.xm.data_ptr())
             self.ptrs = (self.xq.data_ptr(), self.xd.data_ptr(), self.xm.data_ptr(), 0)
         else:
             xs = src if rows is None else src[rows.long()]
@@ -136,9 +131,9 @@ class _Acts:
             self.ptrs = (0, 0, 0, self.xf.data_ptr())
 
 
-# activations mode -> int8 planes (1) or one int16 plane (16); "q8x2" is the former name of the ~15-bit mode
-# (two int8 planes, x and its residual), now computed as one int16 plane.
-ACTIVATIONS_MODES = {"q16": 16, "q8": 1}
+# activations mode -> bits per activation; "q8x2" is the former name of the ~15-bit mode (two int8 planes, x and
+# its residual), now computed as one int16 plane.
+ACTIVATIONS_MODES = {"q16": 16, "q8": 8}
 ACTIVATIONS_ALIASES = {"q8x2": "q16"}
 
 
@@ -163,7 +158,7 @@ class LlamafileBackend(ExpertBackendBase):
         if activations not in ACTIVATIONS_MODES:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS_MODES)}, not {activations!r}")
         self.activations = activations
-        self._planes = ACTIVATIONS_MODES[activations]
+        self._bits = ACTIVATIONS_MODES[activations]
         isa = isa or os.environ.get("KTCORE_LLAMAFILE_ISA", "auto")
         threads = self.config.kt_num_threads or len(os.sched_getaffinity(0))
         self._engine = _ext().Engine(int(threads), isa)
@@ -290,20 +285,19 @@ class LlamafileBackend(ExpertBackendBase):
         key = (proj.kp, proj.quantised)
         if cache is not None and key in cache:
             return cache[key]
-        acts = _Acts(self._engine, src, rows, R, proj.k, proj.kp, proj.quantised, self._planes)
+        acts = _Acts(self._engine, src, rows, R, proj.k, proj.kp, proj.quantised, self._bits)
         if cache is not None:
             cache[key] = acts
         return acts
 
     def _matmul(self, proj: Projection, acts: _Acts, route: _Route, out: torch.Tensor) -> None:
         b = proj.blocks
-        if proj.quantised and acts.planes == 16:
+        if proj.quantised and acts.bits == 16:
             self._engine.matmul16(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.kp,
                                   route.offsets.data_ptr(), b.shape[0], *acts.ptrs[:3], out.data_ptr(), out.stride(0))
             return
         self._engine.matmul(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.kp,
-                            route.offsets.data_ptr(), b.shape[0], *acts.ptrs, out.data_ptr(), out.stride(0),
-                            acts.planes)
+                            route.offsets.data_ptr(), b.shape[0], *acts.ptrs, out.data_ptr(), out.stride(0))
 
     def _matmul_t(self, proj: Projection, g: torch.Tensor, route: _Route, out: torch.Tensor) -> None:
         b = proj.blocks

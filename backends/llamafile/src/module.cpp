@@ -2,7 +2,7 @@
 // Tensors cross as addresses and sizes; every buffer is owned by the Python caller.
 //
 //   Engine(threads, isa)                       isa: "auto" | "vnni" | "avx2" | "scalar"
-//   Engine.quantize_act(...)                   fp32 rows -> per-32 int8 blocks (scale, sum), 1 or 2 planes
+//   Engine.quantize_act(...)                   fp32 rows -> per-32 int8 blocks (scale, scale * sum)
 //   Engine.quantize_act16(...)                 fp32 rows -> per-32 int16 blocks (scale, scale * sum)
 //   Engine.matmul(...)                         out[r, n] = W_e[n, :] . x[r, :] for the rows r routed to expert e
 //   Engine.matmul16(...)                       the same on int16 activations (expanded int16 weights, tiles)
@@ -56,10 +56,6 @@ int nc8_of(int kp) { return (kp / 32 + 7) / 8 * 8; }
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> f;
-  std::vector<float> out;
-  void need_out(int64_t n) {
-    if ((int64_t)out.size() < n) out.resize(n);
-  }
   std::vector<int16_t> w16;
   std::vector<float> f16;
   void need16(int64_t kp, int64_t nc8, int rows) {
@@ -80,41 +76,31 @@ class Engine {
   int num_threads() const { return pool_.num_threads(); }
   std::string isa() const { return k_.name; }
 
-  // x rows (fp32, ldx) -> xq [R * planes, kp] int8, xd [R * planes, kp/32] scale, xm [.., kp/32] scale * sum(q);
+  // activations="q8": x rows (fp32, ldx) -> xq [R, kp] int8, xd [R, kp/32] scale, xm [R, kp/32] scale * sum(q);
   // columns >= k are 0. Each 32-element block is quantised by ggml's Q8 rule (d = amax / 127, q = round(x / d),
-  // half away from zero). planes = 2 adds, as row r * 2 + 1, the same rule applied to the residual x - d * q of
-  // row r * 2: the two int8 planes together carry ~15 bits per block (error <= amax / 32258 instead of amax / 254).
-  // rows: int32 [R] source row of each output row, or 0 for the identity.
+  // half away from zero). rows: int32 [R] source row of each output row, or 0 for the identity.
   void quantize_act(uintptr_t x, int64_t ldx, uintptr_t rows, int64_t R, int k, int kp, uintptr_t xq, uintptr_t xd,
-                    uintptr_t xm, int planes) {
-    if (planes != 1 && planes != 2) throw std::invalid_argument("planes must be 1 or 2");
+                    uintptr_t xm) {
     const int nc = kp / 32;
     run(R, (int64_t)R * kp, [&](int64_t r0, int64_t r1, int) {
-      float buf[32];
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t src = rows ? P<int32_t>(rows)[r] : r;
         const float* xr = P<float>(x) + src * ldx;
         for (int c = 0; c < nc; ++c) {
+          float amax = 0.f;
+          for (int i = 0; i < 32; ++i)
+            if (32 * c + i < k) amax = std::max(amax, std::fabs(xr[32 * c + i]));
+          const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+          int8_t* q = P<int8_t>(xq) + r * kp + 32 * c;
+          int sum = 0;
           for (int i = 0; i < 32; ++i) {
-            const int col = 32 * c + i;
-            buf[i] = col < k ? xr[col] : 0.f;
+            const float v = 32 * c + i < k ? xr[32 * c + i] : 0.f;
+            const int iv = std::max(-127, std::min(127, (int)std::round(v * id)));
+            q[i] = (int8_t)iv;
+            sum += iv;
           }
-          for (int p = 0; p < planes; ++p) {
-            const int64_t row = r * planes + p;
-            float amax = 0.f;
-            for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(buf[i]));
-            const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-            int8_t* q = P<int8_t>(xq) + row * kp + 32 * c;
-            int sum = 0;
-            for (int i = 0; i < 32; ++i) {
-              const int v = std::max(-127, std::min(127, (int)std::round(buf[i] * id)));
-              q[i] = (int8_t)v;
-              sum += v;
-              buf[i] -= d * (float)v;  // the residual, for the next plane
-            }
-            P<float>(xd)[row * nc + c] = d;
-            P<float>(xm)[row * nc + c] = d * (float)sum;
-          }
+          P<float>(xd)[r * nc + c] = d;
+          P<float>(xm)[r * nc + c] = d * (float)sum;
         }
       }
     });
@@ -180,12 +166,10 @@ class Engine {
     });
   }
 
-  // out[r, n] (ldo) for the rows r in [off[e], off[e+1]) and weight rows n < N of expert e.
-  // Quantised types read (xq, xd, xm) of row width kp, `planes` rows per activation row (quantize_act; the
-  // planes' dot products are added); float types read xf (fp32 [R, kp]).
+  // out[r, n] (ldo) for the rows r in [off[e], off[e+1]) and weight rows n < N of expert e. Quantised types
+  // read int8 activations (xq, xd, xm; quantize_act, row width kp), float types xf (fp32 [R, kp]).
   void matmul(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int kp, uintptr_t offsets,
-              int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t xf, uintptr_t out, int64_t ldo,
-              int planes) {
+              int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t xf, uintptr_t out, int64_t ldo) {
     const TypeInfo ti = type_info(qtype);
     const int nc = kp / 32, nblocks = kp / ti.block_elems;
     const int64_t* off = P<int64_t>(offsets);
@@ -205,24 +189,14 @@ class Engine {
         for (int n = n0; n < n1; ++n) {
           float* o = P<float>(out) + r0 * ldo + n;
           if (ti.quantised) {
-            const int64_t p0 = r0 * planes, np = nt * planes;
-            float* dst = o;
-            int64_t ldd = ldo;
-            if (planes != 1) {
-              s.need_out(np);
-              dst = s.out.data();
-              ldd = 1;
-            }
             const uint8_t* row = we + n * row_bytes;
-            const int8_t* q = P<int8_t>(xq) + p0 * kp;
-            const float* d = P<float>(xd) + p0 * nc;
-            const float* m = P<float>(xm) + p0 * nc;
-            if (!(k_.dot_row && k_.dot_row(qtype, row, nblocks, (int)np, q, d, m, kp, dst, ldd))) {
+            const int8_t* q = P<int8_t>(xq) + r0 * kp;
+            const float* d = P<float>(xd) + r0 * nc;
+            const float* m = P<float>(xm) + r0 * nc;
+            if (!(k_.dot_row && k_.dot_row(qtype, row, nblocks, (int)nt, q, d, m, kp, o, ldo))) {
               unpack_row(qtype, row, nblocks, u);
-              k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)np, q, d, m, kp, dst, ldd);
+              k_.dot_q(u.q, u.dlo, u.dhi, u.mn, ti.has_min, nc, (int)nt, q, d, m, kp, o, ldo);
             }
-            if (planes != 1)
-              for (int64_t t = 0; t < nt; ++t) o[t * ldo] = dst[2 * t] + dst[2 * t + 1];
           } else {
             float* wf = s.f.data();
             float_row(qtype, we + n * row_bytes, kp, wf);
