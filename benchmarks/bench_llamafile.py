@@ -10,7 +10,9 @@ numbers measure the kernels, not a quantiser. Reports:
 
 No assertions on timings.  Usage:
     python benchmarks/bench_llamafile.py [--formats q4_k,q8_0] [--threads N] [--iters 20] [--prefill-iters 2]
-        [--activations q16|q8]
+        [--activations q16|q8] [--tokens 1,2,3,4,512]
+
+``--tokens`` picks the table's rows: T <= 64 are decode rows (bandwidth), larger T prefill rows (vs. the baseline).
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ def main():
     ap.add_argument("--activations", default="q16", choices=("q16", "q8x2", "q8"),
                     help="the backend's activation quantisation (q16: int16, the default; q8x2: its former name; "
                          "q8: ggml's one int8 plane)")
+    ap.add_argument("--tokens", default="1,2,3,4,512",
+                    help="comma-separated T values: T <= 64 are reported as decode rows, larger T as prefill rows")
     args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
     torch.set_num_threads(args.threads)
 
     from ktcore.doctor import measure_read_bandwidth
@@ -101,7 +106,10 @@ def main():
     for fmt in args.formats.split(","):
         packed = backend.pack_blocks(random_blocks(fmt, I, H, gen), random_blocks(fmt, I, H, gen),
                                      random_blocks(fmt, H, I, gen), fmt, H, I)
-        for T in (1, 2, 3, 4):
+        x = None
+        for T in tokens:
+            if T > 64:
+                continue
             calls = [(torch.randn(T, H, generator=gen), *routing(T, gen)) for _ in range(args.iters)]
             t_all, nbytes = 0.0, 0
             backend.forward(packed, *calls[0])
@@ -113,16 +121,20 @@ def main():
             rate = nbytes / t_all / 1e9
             print(f"{fmt:7} {T:>4} {1e3 * t_all / len(calls):>9.3f} {nbytes / len(calls) / 1e6:>8.1f} "
                   f"{rate:>7.2f} {100 * rate / bw:>7.1f}% {'':>12} {'':>9}")
-        T = 512
-        x, (ids, w) = torch.randn(T, H, generator=gen), routing(T, gen)
-        t_ours = timed(lambda: backend.forward(packed, x, ids, w), args.prefill_iters)
-        t_base = timed(lambda: dequant_matmul(packed, x, ids, w), args.prefill_iters)
-        y, _ = backend.forward(packed, x, ids, w)
-        ref = dequant_matmul(packed, x, ids, w)
-        rel = ((y - ref).norm() / ref.norm()).item()
-        gflops = 2 * T * K * 3 * H * I / t_ours / 1e9
-        print(f"{fmt:7} {T:>4} {1e3 * t_ours:>9.1f} {touched_bytes(packed, ids) / 1e6:>8.1f} {'':>7} {'':>8} "
-              f"{1e3 * t_base:>12.1f} {t_base / t_ours:>8.2f}x   ({gflops:.0f} GFLOP/s; rel. diff {rel:.1e})")
+        for T in tokens:
+            if T <= 64:
+                continue
+            x, (ids, w) = torch.randn(T, H, generator=gen), routing(T, gen)
+            t_ours = timed(lambda: backend.forward(packed, x, ids, w), args.prefill_iters)
+            t_base = timed(lambda: dequant_matmul(packed, x, ids, w), args.prefill_iters)
+            y, _ = backend.forward(packed, x, ids, w)
+            ref = dequant_matmul(packed, x, ids, w)
+            rel = ((y - ref).norm() / ref.norm()).item()
+            gflops = 2 * T * K * 3 * H * I / t_ours / 1e9
+            print(f"{fmt:7} {T:>4} {1e3 * t_ours:>9.1f} {touched_bytes(packed, ids) / 1e6:>8.1f} {'':>7} {'':>8} "
+                  f"{1e3 * t_base:>12.1f} {t_base / t_ours:>8.2f}x   ({gflops:.0f} GFLOP/s; rel. diff {rel:.1e})")
+    if x is None or x.shape[0] <= 64:
+        return
     try:
         from ktcore.experts import ExpertWeights
         from ktcore_amx_bf16.backend import AMXBF16Backend
@@ -131,7 +143,7 @@ def main():
         dq = backend.dequantize(packed)
         amx_packed = amx.pack(ExpertWeights(dq.gate.bfloat16(), dq.up.bfloat16(), dq.down.bfloat16()))
         t_amx = timed(lambda: amx.forward(amx_packed, x.bfloat16(), ids, w), args.prefill_iters)
-        print(f"T=512 amx_bf16 on bf16 weights: {1e3 * t_amx:.1f} ms (llamafile {fmt} / amx_bf16 = "
+        print(f"T={x.shape[0]} amx_bf16 on bf16 weights: {1e3 * t_amx:.1f} ms (llamafile {fmt} / amx_bf16 = "
               f"{t_ours / t_amx:.2f})")
     except Exception as exc:  # noqa: BLE001 - amx_bf16 needs an AMX CPU
         print(f"amx_bf16 comparison skipped: {type(exc).__name__}: {str(exc).splitlines()[0]}")
