@@ -148,6 +148,13 @@ class Engine {
         const int n0 = (int)(job % tiles) * tile, n1 = std::min(N, n0 + tile);
         const int64_t r0 = off[e], nt = off[e + 1] - r0;
         const uint8_t* we = P<uint8_t>(w) + e * expert_stride;
+        if (nt <= 3 && job + 1 < (int64_t)experts.size() * tiles && experts[(job + 1) / tiles] != e) {
+          // decode: the kernels prefetch 16 KB ahead within an expert's rows; the next task's rows (most often this
+          // thread's next task) lie in another expert, so start fetching their first 16 KB here
+          const int64_t nb0 = (job + 1) % tiles * tile, bytes = std::min<int64_t>(16384, tile * row_bytes);
+          const uint8_t* nx = P<uint8_t>(w) + experts[(job + 1) / tiles] * expert_stride + nb0 * row_bytes;
+          for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(nx + c, 0, 3);
+        }
         if (nt <= 3 && k_.row16 &&  // decode: a few tokens, dotted straight from the blocks
             k_.row16(qtype, we + n0 * row_bytes, row_bytes, n1 - n0, nblocks, (int)nt, P<int16_t>(xq) + r0 * kp, kp,
                      P<float>(xd) + r0 * nc8, P<float>(xm) + r0 * nc8, nc8, P<float>(out) + r0 * ldo + n0, ldo))
