@@ -217,55 +217,6 @@ static double tile_peak_iter(int64_t iters) {
   return iters * 4.0 * 2 * 16 * 16 * 32;
 }
 
-
-// Probes of the two resources the 2x2 loop needs, one thread, everything in L1 (returns cycles-free GFLOP-equivalents
-// or loads/s): products on random (non-zero) tiles, tile loads alone, and four loads + four products per step.
-alignas(64) static uint16_t g_l1[8][512];
-static double probe_products(int64_t iters) {
-  _tile_loadd(4, g_l1[0], 64); _tile_loadd(5, g_l1[1], 64); _tile_loadd(6, g_l1[2], 64); _tile_loadd(7, g_l1[3], 64);
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  for (int64_t i = 0; i < iters; ++i) {
-    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-  }
-  alignas(64) float s[256];
-  _tile_stored(0, s, 64);
-  return iters * 4.0 * 2 * 16 * 16 * 32;
-}
-static double probe_loads(int64_t iters) {
-  for (int64_t i = 0; i < iters; ++i) {
-    _tile_loadd(4, g_l1[0], 64); _tile_loadd(5, g_l1[1], 64); _tile_loadd(6, g_l1[2], 64); _tile_loadd(7, g_l1[3], 64);
-  }
-  return iters * 4.0;
-}
-static double probe_loads_products(int64_t iters) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  for (int64_t i = 0; i < iters; ++i) {
-    _tile_loadd(4, g_l1[0], 64); _tile_loadd(6, g_l1[2], 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, g_l1[3], 64);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, g_l1[1], 64);
-    _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-  }
-  alignas(64) float s[256];
-  _tile_stored(0, s, 64);
-  return iters * 4.0 * 2 * 16 * 16 * 32;
-}
-static void run_probes() {
-  for (int i = 0; i < 8; ++i)
-    for (int j = 0; j < 512; ++j) g_l1[i][j] = (uint16_t)(0x3c00 + ((i * 131 + j * 17) & 0xff));  // ~1..2, varied
-  cfg();
-  struct { const char* name; double (*fn)(int64_t); const char* unit; } ps[] = {
-      {"products only, random tiles", probe_products, "GFLOP/s"},
-      {"tile loads only (L1)", probe_loads, "G tile loads/s"},
-      {"4 loads + 4 products (L1)", probe_loads_products, "GFLOP/s"}};
-  for (auto& p : ps) {
-    p.fn(1000);
-    double t0 = omp_get_wtime(), w = p.fn(2000000), dt = omp_get_wtime() - t0;
-    std::printf("probe, 1 thread: %-28s %8.1f %s\n", p.name, w / dt / 1e9, p.unit);
-  }
-}
-
 // one "task" = C[M rows, NU*32 cols] over K = kb*32, per thread, private data
 struct Data {
   int64_t M, kb, lda, NU, nB;
@@ -322,7 +273,6 @@ int main(int argc, char** argv) {
   const int64_t M = argc > 1 ? atoll(argv[1]) : 256, kb = argc > 2 ? atoll(argv[2]) : 64;
   const int64_t NU = argc > 3 ? atoll(argv[3]) : 4;
   const double flop_task = 2.0 * M * NU * 32 * kb * 32;
-  run_probes();
   // peak
   for (int nt : {1, nthreads}) {
     double t0 = omp_get_wtime(), fl = 0;
