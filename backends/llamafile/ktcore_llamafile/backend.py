@@ -336,7 +336,7 @@ class LlamafileBackend(ExpertBackendBase):
                 delta = (xe @ a[e].float().T) @ b[e].float().T
                 g[r0:r1].add_(delta[:, :I], alpha=s)
                 u[r0:r1].add_(delta[:, I:], alpha=s)
-        h = activation_function(packed.activation)(g) * u
+        h = self._act_mul(packed.activation, g, u)
         out = torch.empty(R, H, dtype=torch.float32)
         self._matmul(packed.down, self._acts(packed.down, h, None, R), route, out)
         if lora is not None and lora.down_a is not None and lora.down_b is not None:
@@ -350,6 +350,14 @@ class LlamafileBackend(ExpertBackendBase):
                              route.T, route.K, H, y.data_ptr(), y.stride(0))
         ctx = _Saved(xf, route, g, u, h, out, topk_weights.dtype) if save else None
         return y.to(x.dtype), ctx
+
+    def _act_mul(self, activation: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """act(g) * u; silu in C++ (see Engine.silu_mul for why), the other activations in torch."""
+        if activation != "silu":
+            return activation_function(activation)(g) * u
+        h = torch.empty_like(g)
+        self._engine.silu_mul(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr())
+        return h
 
     # -- backward ------------------------------------------------------------------------------------------
     def backward(self, packed: LlamafilePacked, ctx: _Saved, grad_y, lora: Optional[ExpertLoRA] = None):

@@ -255,6 +255,16 @@ class Engine {
     });
   }
 
+  // h[i] = silu(g[i]) * u[i] for i < n (fp32). torch's elementwise kernels start their OpenMP team above 32K
+  // elements (a decode step's R x I already), and that team's spinning then slows this pool's next call.
+  void silu_mul(uintptr_t g_, uintptr_t u_, int64_t n, uintptr_t h_) {
+    const float *g = P<float>(g_), *u = P<float>(u_);
+    float* h = P<float>(h_);
+    run(n, n, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    });
+  }
+
   // out[r, 0:k] += sum_n g[r, n] * W_e[n, 0:k] for the rows of each expert: the transposed product, with each
   // weight row dequantised block by block (a few blocks per task, never a resident dequantised copy).
   void matmul_t(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int k, uintptr_t offsets,
@@ -329,6 +339,7 @@ PYBIND11_MODULE(_ext, m) {
       .def("quantize_act16", &Engine::quantize_act16, py::call_guard<py::gil_scoped_release>())
       .def("matmul16", &Engine::matmul16, py::call_guard<py::gil_scoped_release>())
       .def("combine", &Engine::combine, py::call_guard<py::gil_scoped_release>())
+      .def("silu_mul", &Engine::silu_mul, py::call_guard<py::gil_scoped_release>())
       .def("route", &Engine::route, py::call_guard<py::gil_scoped_release>())
       .def("matmul_t", &Engine::matmul_t, py::call_guard<py::gil_scoped_release>());
 }
