@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ktcore.expert_lora import lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 
 _SLACK = 32  # extra rows after the row-major h buffer: AMX tiles read whole 16-row groups
@@ -72,10 +73,6 @@ class _Route:
     @property
     def padded_rows(self) -> int:
         return int(self.padded[-1])
-
-    @property
-    def counts(self) -> list:
-        return (self.offsets[1:] - self.offsets[:-1]).tolist()
 
 
 @dataclass
@@ -220,14 +217,6 @@ class AMXBF16Backend(ExpertBackendBase):
         row = buf.stride(0) * buf.element_size()
         self._engine.memzero(buf.data_ptr() + start * row, (buf.shape[0] - start) * row)
 
-    @staticmethod
-    def _segments(route: _Route):
-        start = 0
-        for e, n in enumerate(route.counts):
-            if n:
-                yield e, start, start + n
-            start += n
-
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, packed: AMXPacked, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA] = None,
                 save: bool = False):
@@ -257,22 +246,15 @@ class AMXBF16Backend(ExpertBackendBase):
                     packed.up.data_ptr(), E, H, I, h.data_ptr(), _addr(g), _addr(u), not lora_gu, ldh)
         prof("fwd.gate_up")
         if lora_gu:
-            a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
-            xf = x.float()
-            for e, r0, r1 in self._segments(route):
-                xe = xf[route.row_tok[r0:r1].long()]
-                delta = (xe @ a[e].float().T) @ b[e].float().T
-                g[r0:r1].add_(delta[:, :I], alpha=s)
-                u[r0:r1].add_(delta[:, I:], alpha=s)
+            delta = lora_forward(x, route.row_tok, off, lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale))
+            g.add_(delta[:, :I])
+            u.add_(delta[:, I:])
             eng.silu_mul(g.data_ptr(), u.data_ptr(), R, I, ip, h.data_ptr(), ldh)
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr(), ldh)
         prof("fwd.down")
         if lora_dn:
-            a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
-            for e, r0, r1 in self._segments(route):
-                he = h[r0:r1, :I].float()
-                parts[0, r0:r1].add_((he @ a[e].float().T) @ b[e].float().T, alpha=s)
+            parts[0].add_(lora_forward(h[:, :I], None, off, lora.down_a, lora.down_b, float(lora.down_scale)))
         out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         y = torch.empty(route.T, H, dtype=out_dtype)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
@@ -305,19 +287,11 @@ class AMXBF16Backend(ExpertBackendBase):
                      gh.data_ptr())
         prof("bwd.down")
         if lora_dn:
-            a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
-            da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
-            gyf = grad_y.float()
-            for e, r0, r1 in self._segments(route):
-                ge = gyf[route.row_tok[r0:r1].long()]  # [m, H] unweighted
-                we = route.w_row[r0:r1].unsqueeze(1)
-                he = ctx.h[r0:r1, :I].float()
-                ae, be = a[e].float(), b[e].float()
-                q = ge @ be  # [m, r]
-                gh[r0:r1].add_(q @ ae, alpha=s)
-                da[e] = s * ((we * q).T @ he)
-                db[e] = s * ((we * ge).T @ (he @ ae.T))
-            grads.down_a, grads.down_b = da.to(a.dtype), db.to(b.dtype)
+            # gh is taken before the routing weights (bwd_act applies them), so the LoRA's input gradient is too
+            gy_rows = grad_y.float()[route.row_tok.long()]
+            gh_lora, grads.down_a, grads.down_b = lora_backward(
+                ctx.h[:, :I], None, gy_rows, off, lora.down_a, lora.down_b, float(lora.down_scale), route.w_row)
+            gh.add_(gh_lora)
 
         ggu = self._ws.get("ggu", (route.padded_rows, 2 * ip), torch.bfloat16)  # tiled like the gathered rows
         ggu32 = self._ws.get("ggu32", (R, 2 * I), torch.float32) if lora_gu else None
@@ -332,18 +306,9 @@ class AMXBF16Backend(ExpertBackendBase):
                         packed.up.data_ptr(), E, H, I, parts.data_ptr())
         prof("bwd.gate_up")
         if lora_gu:
-            a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
-            da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
-            xf = ctx.x.float()
-            for e, r0, r1 in self._segments(route):
-                xe = xf[route.row_tok[r0:r1].long()]
-                ge = ggu32[r0:r1]  # [m, 2I]
-                ae, be = a[e].float(), b[e].float()
-                z = ge @ be  # [m, r]
-                parts[0, r0:r1].add_(z @ ae, alpha=s)
-                da[e] = s * (z.T @ xe)
-                db[e] = s * (ge.T @ (xe @ ae.T))
-            grads.gate_up_a, grads.gate_up_b = da.to(a.dtype), db.to(b.dtype)
+            gx_lora, grads.gate_up_a, grads.gate_up_b = lora_backward(
+                ctx.x, route.row_tok, ggu32, off, lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale))
+            parts[0].add_(gx_lora)
         gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
         grad_x = torch.empty(T, H, dtype=gx_dtype)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),

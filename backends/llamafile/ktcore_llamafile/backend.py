@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ktcore.expert_lora import lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 
 from . import blocks as B
@@ -307,13 +308,6 @@ class LlamafileBackend(ExpertBackendBase):
                               route.offsets.data_ptr(), b.shape[0], g.data_ptr(), g.stride(0), out.data_ptr(),
                               out.stride(0))
 
-    @staticmethod
-    def _segments(route: _Route):
-        off = route.offsets.tolist()
-        for e in range(len(off) - 1):
-            if off[e + 1] > off[e]:
-                yield e, off[e], off[e + 1]
-
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, packed: LlamafilePacked, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA] = None,
                 save: bool = False):
@@ -330,19 +324,15 @@ class LlamafileBackend(ExpertBackendBase):
         self._matmul(packed.up, self._acts(packed.up, xf, route.row_tok, R, cache), route, u)
         del cache
         if lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None:
-            a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
-            for e, r0, r1 in self._segments(route):
-                xe = xf[route.row_tok[r0:r1].long()]
-                delta = (xe @ a[e].float().T) @ b[e].float().T
-                g[r0:r1].add_(delta[:, :I], alpha=s)
-                u[r0:r1].add_(delta[:, I:], alpha=s)
+            delta = lora_forward(xf, route.row_tok, route.offsets, lora.gate_up_a, lora.gate_up_b,
+                                 float(lora.gate_up_scale))
+            g.add_(delta[:, :I])
+            u.add_(delta[:, I:])
         h = self._act_mul(packed.activation, g, u)
         out = torch.empty(R, H, dtype=torch.float32)
         self._matmul(packed.down, self._acts(packed.down, h, None, R), route, out)
         if lora is not None and lora.down_a is not None and lora.down_b is not None:
-            a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
-            for e, r0, r1 in self._segments(route):
-                out[r0:r1].add_((h[r0:r1] @ a[e].float().T) @ b[e].float().T, alpha=s)
+            out.add_(lora_forward(h, None, route.offsets, lora.down_a, lora.down_b, float(lora.down_scale)))
         # y[t] = sum_k w * out over the token's K slots, in C++: torch's scatters (index_add_, index_put) run an
         # OpenMP team that keeps spinning on the cores afterwards and slows the kernels' pool on few cores
         y = torch.empty(route.T, H, dtype=torch.float32)
@@ -375,16 +365,9 @@ class LlamafileBackend(ExpertBackendBase):
         gh = torch.zeros(R, I, dtype=torch.float32)
         self._matmul_t(packed.down, go, route, gh)
         if lora is not None and lora.down_a is not None and lora.down_b is not None:
-            a, b, s = lora.down_a, lora.down_b, float(lora.down_scale)
-            da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
-            for e, r0, r1 in self._segments(route):
-                ge, he = go[r0:r1], ctx.h[r0:r1]
-                ae, be = a[e].float(), b[e].float()
-                q = ge @ be  # [m, r]
-                gh[r0:r1].add_(q @ ae, alpha=s)
-                da[e] = s * (q.T @ he)
-                db[e] = s * (ge.T @ (he @ ae.T))
-            grads.down_a, grads.down_b = da.to(a.dtype), db.to(b.dtype)
+            gx_lora, grads.down_a, grads.down_b = lora_backward(ctx.h, None, go, route.offsets, lora.down_a,
+                                                                lora.down_b, float(lora.down_scale))
+            gh.add_(gx_lora)
         with torch.enable_grad():
             gt = ctx.g.detach().requires_grad_(True)
             act = activation_function(packed.activation)(gt)
@@ -394,17 +377,9 @@ class LlamafileBackend(ExpertBackendBase):
         self._matmul_t(packed.gate, dg, route, gx)
         self._matmul_t(packed.up, du, route, gx)
         if lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None:
-            a, b, s = lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale)
-            da, db = torch.zeros(a.shape, dtype=torch.float32), torch.zeros(b.shape, dtype=torch.float32)
-            ggu = torch.cat([dg, du], dim=1)
-            for e, r0, r1 in self._segments(route):
-                xe = ctx.x[rows[r0:r1]]
-                ge = ggu[r0:r1]
-                ae, be = a[e].float(), b[e].float()
-                z = ge @ be
-                gx[r0:r1].add_(z @ ae, alpha=s)
-                da[e] = s * (z.T @ xe)
-                db[e] = s * (ge.T @ (xe @ ae.T))
-            grads.gate_up_a, grads.gate_up_b = da.to(a.dtype), db.to(b.dtype)
+            gx_lora, grads.gate_up_a, grads.gate_up_b = lora_backward(
+                ctx.x, route.row_tok, torch.cat([dg, du], dim=1), route.offsets, lora.gate_up_a, lora.gate_up_b,
+                float(lora.gate_up_scale))
+            gx.add_(gx_lora)
         grad_x = torch.zeros(T, H, dtype=torch.float32).index_add_(0, rows, gx)
         return grad_x.to(grad_y.dtype), grad_w.view(T, K).to(ctx.w_dtype), grads
