@@ -298,12 +298,7 @@ def _rewrite(src, dst, drop=None, reshape=None, add=None):
 
     with GGUFFile(src) as f:
         writer = gguf.GGUFWriter(dst, f.architecture)
-        for key, field in f.reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        f.copy_metadata_to(writer)
         for name in f.keys():
             if name == drop:
                 continue

@@ -103,6 +103,16 @@ class GGUFFile:
                                                        k.rsplit(".", 1)[1] in ("tokens", "scores", "token_type",
                                                                                "merges"))}
 
+    def copy_metadata_to(self, writer) -> None:
+        """Every metadata field (tokenizer included) onto a ``gguf.GGUFWriter`` made for this architecture."""
+        gguf = _gguf()
+        for key, field in self.reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes these itself
+                continue
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+
     # ---- tensors -------------------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -38,12 +38,7 @@ def convert_gguf(src, out_dir, fmt: str = "q4_k", progress=None) -> dict:
     with GGUFFile(src) as f:
         dense = f.architecture == "llama" and int(f.arch_meta("expert_count", 0) or 0) == 0
         writer = gguf.GGUFWriter(dst, f.architecture)
-        for key, field in f.reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        f.copy_metadata_to(writer)
         for name, t in f.tensors.items():
             m = EXPERT_TENSOR.match(name)
             if m and (m.group(2) or dense):
