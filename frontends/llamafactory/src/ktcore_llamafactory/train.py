@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ktcore.config import ConfigError, TrainConfig
+from ktcore.frontends import peak_memory
 
 from . import integration
 
@@ -314,13 +315,6 @@ def run_with_trainer(cfg: TrainConfig):
         out.update(_dpo_metrics(trainer))
     if cfg.plot_loss and (Path(cfg.output_dir) / "training_loss.png").is_file():
         out["loss_plot"] = str(Path(cfg.output_dir) / "training_loss.png")
-    if torch.cuda.is_available():
-        out["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-    try:
-        import resource
-
-        out["peak_host_mem_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
-    except (ImportError, OSError):
-        pass
+    out.update(peak_memory())
     sys.stdout.flush()
     return out, trainer

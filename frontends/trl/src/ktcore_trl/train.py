@@ -36,6 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ktcore.config import ConfigError, TrainConfig
+from ktcore.frontends import peak_memory
 
 from . import data
 
@@ -492,14 +493,7 @@ def summary(trainer, cfg, runtime: float, params: dict, extra: dict | None = Non
             out[key.replace("/", "_")] = [r.get(key, math.nan) for r in records.values()]
         out.update(pref_loss=cfg.pref_loss, pref_beta=cfg.pref_beta,
                    precompute_ref_log_probs=cfg.precompute_ref_log_probs)
-    if torch.cuda.is_available():
-        out["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-    try:
-        import resource
-
-        out["peak_host_mem_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
-    except (ImportError, OSError):
-        pass
+    out.update(peak_memory())
     return {**out, **(extra or {})}
 
 
