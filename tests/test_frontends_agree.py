@@ -43,16 +43,9 @@ def _train(ktcore_bin, cfg_path: Path, timeout=900) -> dict:
 
 @pytest.fixture
 def tiny_model_dir(tmp_path):
-    from ktcore.demo import build_byte_tokenizer, build_tiny_moe
+    from ktcore.testing.tiny import save_tiny_chat_moe
 
-    out = tmp_path / "model"
-    tokenizer = build_byte_tokenizer()
-    model = build_tiny_moe(tokenizer, seed=0, hidden_size=48, moe_intermediate_size=32, num_experts=6,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
-                           max_position_embeddings=1024)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_chat_moe(tmp_path / "model")
 
 
 def _keys(model_dir, data_dir, out, **extra):

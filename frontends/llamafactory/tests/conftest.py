@@ -42,16 +42,9 @@ def shared_data():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Qwen3-MoE (6 routed experts, top-2) and a byte-level tokenizer with a chat template."""
-    from ktcore.demo import build_byte_tokenizer, build_tiny_moe
+    from ktcore.testing.tiny import save_tiny_chat_moe
 
-    out = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    tokenizer = build_byte_tokenizer()
-    model = build_tiny_moe(tokenizer, seed=0, hidden_size=48, moe_intermediate_size=32, num_experts=6,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
-                           max_position_embeddings=1024)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_chat_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
 
 
 def write_yaml(path: Path, **keys) -> Path:
