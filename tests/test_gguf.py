@@ -274,11 +274,11 @@ def test_smollm2_logits_match_transformers_gguf(smollm2):
 
 def test_smollm2_chat_answers_paris(smollm2):
     _, ours, tokenizer = smollm2
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        out = ours.generate(**ids, max_new_tokens=20, do_sample=False)
-    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    from ktcore.chat import reply
+    from ktcore.config import TrainConfig
+
+    answer = reply(ours, tokenizer, [{"role": "user", "content": "What is the capital of France?"}],
+                   TrainConfig(max_new_tokens=20))  # greedy: temperature 0
     assert "Paris" in answer, answer
 
 
