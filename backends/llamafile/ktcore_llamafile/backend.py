@@ -15,6 +15,7 @@ saved per-expert outputs. Expert LoRA is fp32 torch math between the C++ phases.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ class Projection:
     def dequantize(self) -> torch.Tensor:
         return B.dequantize_rows(self.blocks, self.qtype, self.k)
 
+    def native(self) -> tuple:
+        """(qtype, address, expert_stride, row_bytes, rows, kp): the projection as ``_ext.Layer`` takes it."""
+        return self.qtype, self.blocks.data_ptr(), self.blocks.stride(0), self.row_bytes, self.n, self.kp
+
 
 @dataclass
 class LlamafilePacked:
@@ -83,6 +88,14 @@ class LlamafilePacked:
     @property
     def formats(self) -> tuple[str, str, str]:
         return self.gate.format, self.up.format, self.down.format
+
+    @functools.cached_property
+    def native_layer(self):
+        """The three projections as one ``_ext.Layer`` (forward16), or None where a type is not quantised."""
+        if not (self.gate.quantised and self.up.quantised and self.down.quantised):
+            return None
+        return _ext().Layer(self.gate.native(), self.up.native(), self.down.native(), self.num_experts, self.hidden,
+                            self.inter)
 
 
 @dataclass
@@ -130,6 +143,11 @@ class _Acts:
             xs = src if rows is None else src[rows.long()]
             self.xf = F.pad(xs, (0, kp - k)).contiguous() if kp != k else xs.contiguous()
             self.ptrs = (0, 0, 0, self.xf.data_ptr())
+
+
+def _has_expert_lora(lora: Optional[ExpertLoRA]) -> bool:
+    return lora is not None and ((lora.gate_up_a is not None and lora.gate_up_b is not None) or
+                                 (lora.down_a is not None and lora.down_b is not None))
 
 
 # activations mode -> bits per activation; "q8x2" is the former name of the ~15-bit mode (two int8 planes, x and
@@ -314,9 +332,11 @@ class LlamafileBackend(ExpertBackendBase):
         if x.dim() != 2 or x.shape[1] != packed.hidden:
             raise ValueError(f"x must be [T, {packed.hidden}], got {tuple(x.shape)}")
         E, H, I = packed.num_experts, packed.hidden, packed.inter
+        xf = x.detach().to(torch.float32).contiguous()
+        if not _has_expert_lora(lora) and packed.activation == "silu" and self._bits == 16 and packed.native_layer:
+            return self._forward_fused(packed, x, xf, topk_ids, topk_weights, save)
         route = self._route(topk_ids, topk_weights, E)
         R = route.R
-        xf = x.detach().to(torch.float32).contiguous()
         cache: dict = {}
         g = torch.empty(R, I, dtype=torch.float32)
         u = torch.empty(R, I, dtype=torch.float32)
@@ -339,6 +359,29 @@ class LlamafileBackend(ExpertBackendBase):
         self._engine.combine(out.data_ptr(), out.stride(0), route.w_row.data_ptr(), route.order.data_ptr(), R,
                              route.T, route.K, H, y.data_ptr(), y.stride(0))
         ctx = _Saved(xf, route, g, u, h, out, topk_weights.dtype) if save else None
+        return y.to(x.dtype), ctx
+
+    def _forward_fused(self, packed: LlamafilePacked, x, xf, topk_ids, topk_weights, save: bool):
+        """Engine.forward16: the same results as the phased forward, in one C++ call with two pool dispatches."""
+        T, K = topk_ids.shape
+        E, H, I = packed.num_experts, packed.hidden, packed.inter
+        ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
+        wts = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        offsets = torch.empty(E + 1, dtype=torch.int64)
+        order = torch.empty(T * K, dtype=torch.int64)
+        row_tok = torch.empty(T * K, dtype=torch.int32)
+        w_row = torch.empty(T * K, dtype=torch.float32)
+        y = torch.empty(T, H, dtype=torch.float32)
+        saved = [torch.empty(T * K, n, dtype=torch.float32) for n in (I, I, I, H)] if save else []
+        R = self._engine.forward16(packed.native_layer, xf.data_ptr(), xf.stride(0), T, K, ids.data_ptr(),
+                                   wts.data_ptr(), offsets.data_ptr(), order.data_ptr(), row_tok.data_ptr(),
+                                   w_row.data_ptr(), y.data_ptr(), y.stride(0), *[t.data_ptr() for t in saved] or
+                                   [0, 0, 0, 0])
+        ctx = None
+        if save:
+            g, u, h, out = (t[:R] for t in saved)
+            route = _Route(T, K, R, offsets, row_tok[:R], order[:R], w_row[:R])
+            ctx = _Saved(xf, route, g, u, h, out, topk_weights.dtype)
         return y.to(x.dtype), ctx
 
     def _act_mul(self, activation: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@
 //   Engine.quantize_act16(...)                 fp32 rows -> per-32 int16 blocks (scale, scale * sum)
 //   Engine.matmul(...)                         out[r, n] = W_e[n, :] . x[r, :] for the rows r routed to expert e
 //   Engine.matmul16(...)                       the same on int16 activations (expanded int16 weights, tiles)
+//   Engine.forward16(Layer, ...)               a whole no-LoRA SiLU forward on int16 activations in one call
 //   Engine.route(...)                          the routed slots sorted by expert (offsets, order, token, weight)
 //   Engine.combine(...)                        y[t] = sum_k w * out[row of slot (t, k)] (the forward's last step)
 //   Engine.matmul_t(...)                       out[r, :] += sum_n g[r, n] * W_e[n, :]  (transposed, from the blocks)
@@ -69,6 +70,68 @@ struct Scratch {
   }
 };
 
+// One projection of every expert: E matrices of n rows of GGUF blocks (kp elements per row, zero padded).
+struct Proj {
+  int qtype;
+  TypeInfo info;
+  const uint8_t* w;
+  int64_t expert_stride, row_bytes;
+  int n, kp;
+  static Proj of(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int n, int kp) {
+    return Proj{qtype, type_info(qtype), P<uint8_t>(w), expert_stride, row_bytes, n, kp};
+  }
+};
+
+// A layer's gate [E, I, H], up [E, I, H] and down [E, H, I] blocks (Python keeps the memory alive).
+struct Layer {
+  Proj gate, up, down;
+  int E, H, I;
+};
+
+// q16 activations of R rows (quantize_act16): q int16 [R, kp], d and m fp32 [R, nc8].
+struct Acts16 {
+  int16_t* q;
+  float* d;
+  float* m;
+  int kp, nc8;
+};
+
+// Acts16 with its own storage, grown as needed and kept between calls.
+struct Acts16Buffer {
+  std::vector<int16_t> qs;
+  std::vector<float> ds, ms;
+  Acts16 acts{};
+  int64_t rows = 0;
+  void resize(int64_t R, int kp) {
+    const int nc8 = nc8_of(kp);
+    if ((int64_t)qs.size() < R * kp) qs.resize(R * kp);
+    if ((int64_t)ds.size() < R * nc8) { ds.resize(R * nc8); ms.resize(R * nc8); }
+    acts = Acts16{qs.data(), ds.data(), ms.data(), kp, nc8};
+    rows = R;
+  }
+  // columns c0.. of every row (and their scale chunks) zero: the padding past a row's real length
+  void zero_columns_from(int c0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::fill(acts.q + r * acts.kp + c0, acts.q + (r + 1) * acts.kp, 0);
+      std::fill(acts.d + r * acts.nc8 + c0 / 32, acts.d + (r + 1) * acts.nc8, 0.f);
+      std::fill(acts.m + r * acts.nc8 + c0 / 32, acts.m + (r + 1) * acts.nc8, 0.f);
+    }
+  }
+  uintptr_t q_addr() const { return reinterpret_cast<uintptr_t>(acts.q); }
+  uintptr_t d_addr() const { return reinterpret_cast<uintptr_t>(acts.d); }
+  uintptr_t m_addr() const { return reinterpret_cast<uintptr_t>(acts.m); }
+};
+
+// forward16's working buffers
+struct Fwd16 {
+  Acts16Buffer xg, xu, hq;
+  std::vector<float> g, u, h, out;
+  static float* grow(std::vector<float>& v, int64_t n) {
+    if ((int64_t)v.size() < n) v.resize(n);
+    return v.data();
+  }
+};
+
 class Engine {
  public:
   Engine(int threads, const std::string& isa) : k_(select_kernels(isa)), pool_(threads), scratch_(pool_.num_threads()) {}
@@ -122,55 +185,88 @@ class Engine {
   }
 
   // matmul on q16 activations (quantize_act16): out[r, n] (ldo) for the rows r of each expert e and weight rows
-  // n < N. A task is (expert, 16 weight rows); it expands 4 weight rows at a time to int16 (L1-resident) and
-  // runs them against the expert's tokens, 64 tokens at a time, in 4-row x 2-token register tiles.
+  // n < N. A task is (expert, 16 weight rows), see project16.
   void matmul16(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int kp, uintptr_t offsets,
                 int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t out, int64_t ldo) {
-    const TypeInfo ti = type_info(qtype);
-    if (!ti.quantised) throw std::invalid_argument("matmul16: float block types take fp32 activations");
-    const int nc = kp / 32, nc8 = nc8_of(kp), nblocks = kp / ti.block_elems;
-    const bool split = qtype == Q6_K;
+    const Proj p = Proj::of(qtype, w, expert_stride, row_bytes, N, kp);
+    if (!p.info.quantised) throw std::invalid_argument("matmul16: float block types take fp32 activations");
+    const Acts16 a{P<int16_t>(xq), P<float>(xd), P<float>(xm), kp, nc8_of(kp)};
     const int64_t* off = P<int64_t>(offsets);
-    const int tile = 16, RT = 4, TB = 64;
-    const int64_t tiles = (N + tile - 1) / tile;
-    std::vector<int> experts;
-    for (int e = 0; e < E; ++e) if (off[e + 1] > off[e]) experts.push_back(e);
-    pool_.parallel_for((int64_t)experts.size() * tiles, [&](int64_t b, int64_t end, int tid) {
-      Scratch& s = scratch_[tid];
-      s.need16(kp, nc8, RT);
-      Row16 rows[RT];
-      for (int i = 0; i < RT; ++i) {
-        float* f = s.f16.data() + (int64_t)i * 3 * nc8;
-        rows[i] = Row16{s.w16.data() + (int64_t)i * kp, f, f + nc8, f + 2 * nc8};
-      }
+    const std::vector<int> experts = busy_experts(off, E);
+    const int tile = 16;
+    const int64_t tiles = (N + tile - 1) / tile, njobs = (int64_t)experts.size() * tiles;
+    pool_.parallel_for(njobs, [&](int64_t b, int64_t end, int tid) {
       for (int64_t job = b; job < end; ++job) {
         const int e = experts[job / tiles];
-        const int n0 = (int)(job % tiles) * tile, n1 = std::min(N, n0 + tile);
+        const int n0 = (int)(job % tiles) * tile;
+        if (job + 1 < njobs) prefetch_task(p, off, experts[(job + 1) / tiles], (job + 1) % tiles * tile, e);
+        project16(p, e, n0, std::min(N, n0 + tile), off[e], off[e + 1] - off[e], a, P<float>(out), ldo,
+                  scratch_[tid]);
+      }
+    });
+  }
+
+  // The whole forward of a layer without expert LoRA, SiLU and q16 activations, in one call (decode pays for
+  // each pool dispatch and each Python-to-C++ call): route, quantise the routed rows of x, then one dispatch
+  // of (expert, 32 rows of I) tasks that run gate and up and, in their epilogue, h = silu(g) * u and h's
+  // quantisation (32 columns = one whole activation block), then one dispatch for down, then the combine.
+  // Results are bit for bit those of the phased calls (route, quantize_act16, matmul16, silu_mul, combine).
+  // The route arrays (offsets [E+1], order / row_tok / w_row [T*K]) and y [T, H] are written; g, u, h (fp32
+  // [T*K, I]) and out ([T*K, H], before the routing weights) only when their address is not 0 (training saves
+  // them for backward). Returns R, the number of routed rows.
+  int64_t forward16(const Layer& L, uintptr_t x, int64_t ldx, int64_t T, int K, uintptr_t ids, uintptr_t weights,
+                    uintptr_t offsets, uintptr_t order, uintptr_t row_tok, uintptr_t w_row, uintptr_t y, int64_t ldy,
+                    uintptr_t g_save, uintptr_t u_save, uintptr_t h_save, uintptr_t out_save) {
+    const int E = L.E, H = L.H, I = L.I;
+    const int64_t R = route(ids, weights, T * K, K, E, offsets, order, row_tok, w_row);
+    const int64_t* off = P<int64_t>(offsets);
+    Fwd16& f = fwd_;
+    f.xg.resize(R, L.gate.kp);
+    quantize_act16(x, ldx, row_tok, R, H, L.gate.kp, f.xg.q_addr(), f.xg.d_addr(), f.xg.m_addr());
+    const Acts16* xu = &f.xg.acts;
+    if (L.up.kp != L.gate.kp) {
+      f.xu.resize(R, L.up.kp);
+      quantize_act16(x, ldx, row_tok, R, H, L.up.kp, f.xu.q_addr(), f.xu.d_addr(), f.xu.m_addr());
+      xu = &f.xu.acts;
+    }
+    float* g = g_save ? P<float>(g_save) : f.grow(f.g, R * I);
+    float* u = u_save ? P<float>(u_save) : f.grow(f.u, R * I);
+    float* h = h_save ? P<float>(h_save) : f.grow(f.h, R * I);
+    float* out = out_save ? P<float>(out_save) : f.grow(f.out, R * H);
+    f.hq.resize(R, L.down.kp);
+    f.hq.zero_columns_from((I + 31) / 32 * 32);  // down's padding columns (and scale chunks) past I
+    const Acts16& hq = f.hq.acts;
+    const std::vector<int> experts = busy_experts(off, E);
+    const int tile = 32;
+    int64_t tiles = (I + tile - 1) / tile, njobs = (int64_t)experts.size() * tiles;
+    pool_.parallel_for(njobs, [&](int64_t b, int64_t end, int tid) {
+      for (int64_t job = b; job < end; ++job) {
+        const int e = experts[job / tiles];
+        const int n0 = (int)(job % tiles) * tile, n1 = std::min(I, n0 + tile);
         const int64_t r0 = off[e], nt = off[e + 1] - r0;
-        const uint8_t* we = P<uint8_t>(w) + e * expert_stride;
-        if (nt <= 3 && job + 1 < (int64_t)experts.size() * tiles && experts[(job + 1) / tiles] != e) {
-          // decode: the kernels prefetch 16 KB ahead within an expert's rows; the next task's rows (most often this
-          // thread's next task) lie in another expert, so start fetching their first 16 KB here
-          const int64_t nb0 = (job + 1) % tiles * tile, bytes = std::min<int64_t>(16384, tile * row_bytes);
-          const uint8_t* nx = P<uint8_t>(w) + experts[(job + 1) / tiles] * expert_stride + nb0 * row_bytes;
-          for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(nx + c, 0, 3);
-        }
-        if (nt <= 3 && k_.row16 &&  // decode: a few tokens, dotted straight from the blocks
-            k_.row16(qtype, we + n0 * row_bytes, row_bytes, n1 - n0, nblocks, (int)nt, P<int16_t>(xq) + r0 * kp, kp,
-                     P<float>(xd) + r0 * nc8, P<float>(xm) + r0 * nc8, nc8, P<float>(out) + r0 * ldo + n0, ldo))
-          continue;
-        for (int64_t t0 = 0; t0 < nt; t0 += TB) {
-          const int ntb = (int)std::min<int64_t>(TB, nt - t0);
-          const int64_t rr = r0 + t0;
-          for (int n = n0; n < n1; n += RT) {
-            const int nr = std::min(RT, n1 - n);
-            for (int i = 0; i < nr; ++i) k_.expand16(qtype, we + (n + i) * row_bytes, nblocks, nc8, rows[i], s.q.data());
-            k_.dot16(rows, nr, split, ti.has_min, nc, ntb, P<int16_t>(xq) + rr * kp, kp, P<float>(xd) + rr * nc8,
-                     P<float>(xm) + rr * nc8, nc8, P<float>(out) + rr * ldo + n, ldo, 1);
-          }
+        if (job + 1 < njobs) prefetch_task(L.gate, off, experts[(job + 1) / tiles], (job + 1) % tiles * tile, e);
+        project16(L.gate, e, n0, n1, r0, nt, f.xg.acts, g, I, scratch_[tid]);
+        project16(L.up, e, n0, n1, r0, nt, *xu, u, I, scratch_[tid]);
+        for (int64_t r = r0; r < r0 + nt; ++r) {
+          silu_mul_range(g + r * I + n0, u + r * I + n0, n1 - n0, h + r * I + n0);
+          const int c = n0 / 32;  // one activation block of h's row
+          k_.quant16(h + r * I + n0, n1 - n0, 32, 1, hq.q + r * hq.kp + n0, hq.d + r * hq.nc8 + c,
+                     hq.m + r * hq.nc8 + c);
         }
       }
     });
+    tiles = (H + 15) / 16;
+    njobs = (int64_t)experts.size() * tiles;
+    pool_.parallel_for(njobs, [&](int64_t b, int64_t end, int tid) {
+      for (int64_t job = b; job < end; ++job) {
+        const int e = experts[job / tiles];
+        const int n0 = (int)(job % tiles) * 16;
+        if (job + 1 < njobs) prefetch_task(L.down, off, experts[(job + 1) / tiles], (job + 1) % tiles * 16, e);
+        project16(L.down, e, n0, std::min(H, n0 + 16), off[e], off[e + 1] - off[e], hq, out, H, scratch_[tid]);
+      }
+    });
+    combine(reinterpret_cast<uintptr_t>(out), H, w_row, order, R, T, K, H, y, ldy);
+    return R;
   }
 
   // out[r, n] (ldo) for the rows r in [off[e], off[e+1]) and weight rows n < N of expert e. Quantised types
@@ -260,9 +356,7 @@ class Engine {
   void silu_mul(uintptr_t g_, uintptr_t u_, int64_t n, uintptr_t h_) {
     const float *g = P<float>(g_), *u = P<float>(u_);
     float* h = P<float>(h_);
-    run(n, n, [&](int64_t b, int64_t e, int) {
-      for (int64_t i = b; i < e; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    });
+    run(n, n, [&](int64_t b, int64_t e, int) { silu_mul_range(g + b, u + b, e - b, h + b); });
   }
 
   // out[r, 0:k] += sum_n g[r, n] * W_e[n, 0:k] for the rows of each expert: the transposed product, with each
@@ -298,6 +392,55 @@ class Engine {
   }
 
  private:
+  static void silu_mul_range(const float* g, const float* u, int64_t n, float* h) {
+    for (int64_t i = 0; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+
+  // out[r, n] (ldo) for the nt rows r0.. of expert e and weight rows n0 <= n < n1. Experts with at most 3 rows
+  // (decode) are dotted straight from the blocks; more rows expand 4 weight rows at a time to int16 (L1-resident)
+  // and run them against the rows, 64 at a time, in 4-row x 2-token register tiles.
+  void project16(const Proj& p, int e, int n0, int n1, int64_t r0, int64_t nt, const Acts16& a, float* out,
+                 int64_t ldo, Scratch& s) {
+    const int RT = 4, TB = 64;
+    const uint8_t* we = p.w + e * p.expert_stride;
+    const int nblocks = p.kp / p.info.block_elems;
+    if (nt <= 3 && k_.row16 &&
+        k_.row16(p.qtype, we + n0 * p.row_bytes, p.row_bytes, n1 - n0, nblocks, (int)nt, a.q + r0 * a.kp, a.kp,
+                 a.d + r0 * a.nc8, a.m + r0 * a.nc8, a.nc8, out + r0 * ldo + n0, ldo))
+      return;
+    s.need16(p.kp, a.nc8, RT);
+    Row16 rows[RT];
+    for (int i = 0; i < RT; ++i) {
+      float* f = s.f16.data() + (int64_t)i * 3 * a.nc8;
+      rows[i] = Row16{s.w16.data() + (int64_t)i * p.kp, f, f + a.nc8, f + 2 * a.nc8};
+    }
+    for (int64_t t0 = 0; t0 < nt; t0 += TB) {
+      const int ntb = (int)std::min<int64_t>(TB, nt - t0);
+      const int64_t rr = r0 + t0;
+      for (int n = n0; n < n1; n += RT) {
+        const int nr = std::min(RT, n1 - n);
+        for (int i = 0; i < nr; ++i) k_.expand16(p.qtype, we + (n + i) * p.row_bytes, nblocks, a.nc8, rows[i], s.q.data());
+        k_.dot16(rows, nr, p.qtype == Q6_K, p.info.has_min, p.kp / 32, ntb, a.q + rr * a.kp, a.kp, a.d + rr * a.nc8,
+                 a.m + rr * a.nc8, a.nc8, out + rr * ldo + n, ldo, 1);
+      }
+    }
+  }
+
+  // Decode: the row kernels prefetch 16 KB ahead within an expert's rows; when a thread's next task lies in
+  // another expert, start fetching that task's first 16 KB now.
+  static void prefetch_task(const Proj& p, const int64_t* off, int e, int64_t n0, int current) {
+    if (e == current || off[e + 1] - off[e] > 3) return;
+    const uint8_t* next = p.w + e * p.expert_stride + n0 * p.row_bytes;
+    const int64_t bytes = std::min<int64_t>(16384, (p.n - n0) * p.row_bytes);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + c, 0, 3);
+  }
+
+  static std::vector<int> busy_experts(const int64_t* off, int E) {
+    std::vector<int> experts;
+    for (int e = 0; e < E; ++e) if (off[e + 1] > off[e]) experts.push_back(e);
+    return experts;
+  }
+
   // Small work (fewer than ~64K elements) runs on the calling thread: waking the pool costs more than it saves,
   // and much more while torch's OpenMP workers still spin on the cores after a torch op.
   template <class F>
@@ -309,6 +452,7 @@ class Engine {
   const Kernels& k_;
   ktcore::ThreadPool pool_;
   std::vector<Scratch> scratch_;
+  Fwd16 fwd_;  // forward16's buffers, kept between calls
 };
 
 void dequantize(int qtype, uintptr_t src, int64_t nblocks, uintptr_t dst) {
@@ -330,6 +474,20 @@ PYBIND11_MODULE(_ext, m) {
   });
   m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>());
   m.def("quantize", &quantize, py::call_guard<py::gil_scoped_release>());
+  py::class_<Layer>(m, "Layer")
+      .def(py::init([](py::tuple gate, py::tuple up, py::tuple down, int E, int H, int I) {
+             // each projection: (qtype, address, expert_stride, row_bytes, rows, kp)
+             auto proj = [](py::tuple t) {
+               return Proj::of(t[0].cast<int>(), t[1].cast<uintptr_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+                               t[4].cast<int>(), t[5].cast<int>());
+             };
+             Layer L{proj(gate), proj(up), proj(down), E, H, I};
+             if (!L.gate.info.quantised || !L.up.info.quantised || !L.down.info.quantised)
+               throw std::invalid_argument("Layer: forward16 takes quantised block types only");
+             if (L.gate.n != I || L.up.n != I || L.down.n != H || L.gate.kp < H || L.up.kp < H || L.down.kp < I)
+               throw std::invalid_argument("Layer: projection shapes disagree with E, H, I");
+             return L;
+           }));
   py::class_<Engine>(m, "Engine")
       .def(py::init<int, const std::string&>())
       .def_property_readonly("num_threads", &Engine::num_threads)
@@ -338,6 +496,7 @@ PYBIND11_MODULE(_ext, m) {
       .def("matmul", &Engine::matmul, py::call_guard<py::gil_scoped_release>())
       .def("quantize_act16", &Engine::quantize_act16, py::call_guard<py::gil_scoped_release>())
       .def("matmul16", &Engine::matmul16, py::call_guard<py::gil_scoped_release>())
+      .def("forward16", &Engine::forward16, py::call_guard<py::gil_scoped_release>())
       .def("combine", &Engine::combine, py::call_guard<py::gil_scoped_release>())
       .def("silu_mul", &Engine::silu_mul, py::call_guard<py::gil_scoped_release>())
       .def("route", &Engine::route, py::call_guard<py::gil_scoped_release>())

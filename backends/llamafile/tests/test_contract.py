@@ -61,6 +61,12 @@ class TestQ8_0Scalar(_Quantised):
     isa = "scalar"
 
 
+def _vector_isas():
+    from ktcore_llamafile._ext import cpu_has
+
+    return [isa for isa in ("avx2", "vnni") if cpu_has(isa)]
+
+
 def _pair(fmt, seed=0, tokens=24, activations="q16"):
     from ktcore_llamafile.backend import LlamafileBackend
     from ktcore.testing.contract import Case
@@ -69,7 +75,7 @@ def _pair(fmt, seed=0, tokens=24, activations="q16"):
     t = ExpertBackendContract()
     weights, x, ids, w, lora = t.problem(case, seed=seed)
     out = {}
-    for isa in ("scalar", "avx2"):
+    for isa in ("scalar", *_vector_isas()):
         be = LlamafileBackend({"kt_expert_weight_format": fmt, "kt_num_threads": 2}, isa=isa,
                               activations=activations)
         packed = be.pack(weights)
@@ -82,10 +88,12 @@ def _pair(fmt, seed=0, tokens=24, activations="q16"):
 @pytest.mark.skipif(not __import__("ktcore_llamafile._ext", fromlist=["x"]).cpu_has("avx2"), reason="no AVX2")
 @pytest.mark.parametrize("activations", ["q16", "q8"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k", "bf16", "f16", "fp32"])
-def test_avx2_and_scalar_paths_agree_bitwise(fmt, activations):
+def test_vector_and_scalar_paths_agree_bitwise(fmt, activations):
+    """AVX2 and (where the CPU has it) AVX-512 VNNI against the scalar path."""
     out = _pair(fmt, activations=activations)
-    for a, b in zip(out["scalar"], out["avx2"]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for isa in _vector_isas():
+        for a, b in zip(out["scalar"], out[isa]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_isa_switch(monkeypatch):
@@ -188,7 +196,47 @@ def test_in_place_row_kernels_match_scalar_on_raw_blocks(fmt, activations):
         ids = torch.rand(T, E, generator=g).topk(2, dim=1).indices
         w = torch.rand(T, 2, generator=g)
         ys = []
-        for isa in ("scalar", "avx2"):
+        for isa in ("scalar", *_vector_isas()):
             be = LlamafileBackend({"kt_num_threads": 2}, isa=isa, activations=activations)
             ys.append(be.forward(be.pack_blocks(gate, up, down, fmt, H, I), x, ids, w)[0])
-        torch.testing.assert_close(ys[0], ys[1], rtol=0, atol=0)
+        for y in ys[1:]:
+            torch.testing.assert_close(ys[0], y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "auto"])
+@pytest.mark.parametrize("types", [("q4_k",) * 3, ("q8_0",) * 3, ("q5_k", "q5_k", "q6_k"), ("q4_k", "q8_0", "q4_1")])
+def test_fused_forward_equals_phased_forward(types, isa):
+    """Without expert LoRA the forward runs as one C++ call (Engine.forward16); with LoRA it runs phase by phase
+    with torch LoRA math in between. A LoRA of zeros makes the two compute the same thing: forward, the saved
+    activations and backward must agree bit for bit, for decode (in-place row kernels) and prefill row counts."""
+    from ktcore.experts import ExpertLoRA
+    from ktcore_llamafile.backend import LlamafileBackend
+
+    g = torch.Generator().manual_seed(5)
+    E, H, I, K = 5, 512, 203, 2  # I: a partial 32-column tile, down's rows padded to whole blocks
+
+    def raw(n, k, fmt):
+        arr = torch.randint(0, 256, (E, n, B.row_bytes(k, fmt)), generator=g, dtype=torch.uint8)
+        blocks = arr.view(-1, B.block_info(fmt)[1])
+        for o in {"q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}.get(fmt, (0,)):
+            blocks[:, o:o + 2] = (torch.randn(blocks.shape[0], generator=g) * 1e-2).half().view(torch.uint8).view(-1, 2)
+        return arr
+
+    be = LlamafileBackend({"kt_num_threads": 2}, isa=isa)
+    packed = be.pack_blocks(raw(I, H, types[0]), raw(I, H, types[1]), raw(H, I, types[2]), types, H, I)
+    assert packed.native_layer is not None
+    zero = ExpertLoRA(torch.zeros(E, 2, H), torch.zeros(E, 2 * I, 2), torch.zeros(E, 2, I), torch.zeros(E, H, 2))
+    for T in (1, 3, 40):
+        x = torch.randn(T, H, generator=g)
+        ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+        ids[0, 1] = -1  # a dropped slot
+        w = torch.rand(T, K, generator=g)
+        fused, ctx_f = be.forward(packed, x, ids, w, save=True)
+        phased, ctx_p = be.forward(packed, x, ids, w, zero, save=True)
+        torch.testing.assert_close(fused, phased, rtol=0, atol=0)
+        torch.testing.assert_close(be.forward(packed, x, ids, w)[0], fused, rtol=0, atol=0)  # without saving
+        for name in ("g", "u", "h", "out"):
+            torch.testing.assert_close(getattr(ctx_f, name), getattr(ctx_p, name), rtol=0, atol=0)
+        gy = torch.randn(T, H, generator=g)
+        for a, b in zip(be.backward(packed, ctx_f, gy)[:2], be.backward(packed, ctx_p, gy)[:2]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
