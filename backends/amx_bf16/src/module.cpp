@@ -74,9 +74,9 @@ struct Dims {
 };
 
 struct Task {
-  int32_t e, unit;
-  int64_t r0, r1;  // rows [r0, r1) of expert e's rows
-  int64_t p0;      // row r0 in the tiled buffers (each expert's rows padded to a multiple of 16)
+  int32_t e, unit, units;  // output units [unit, unit + units) of expert e (units > 1 only in backward)
+  int64_t r0, r1;          // rows [r0, r1) of expert e's rows
+  int64_t p0;              // row r0 in the tiled buffers (each expert's rows padded to a multiple of 16)
 };
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert computed per inner step (C scratch 32 KB)
@@ -84,12 +84,17 @@ constexpr int64_t kRowChunk = 256;  // rows of one expert computed per inner ste
 // in its L2 (256 rows x 2048 x 2 B = 1 MB). Backward tasks take more rows: each derives transposed tiles.
 constexpr int64_t kFwdTaskRows = 256;
 constexpr int64_t kBwdTaskRows = 1024;
-// Backward reads the packed blocks it transposes at a stride of a whole stream (one KiB every KB KiB), which
-// the hardware prefetchers do not follow: fetch the blocks this many steps ahead.
-constexpr int64_t kTransposeAhead = 4;
+// Backward needs W^T: a task reads, from every stream, the blocks of its output units (at a stride of a whole
+// stream). One 1 KiB block per stream costs a TLB miss per KiB and never ramps up the hardware prefetchers
+// (~54 against ~95 GB/s), so a backward task covers up to kBwdGroup adjacent units: G contiguous KiB of every
+// stream (a page's worth at G = 4). Fewer when a pool would get under kTasksPerThread tasks per thread (decode).
+constexpr int64_t kBwdGroup = 4;
+constexpr int64_t kTasksPerThread = 4;
+// The strided pieces are prefetched in software: about this many KiB of every stream ahead of the transpose.
+constexpr int64_t kTransposeAheadKiB = 4;
 
-inline void prefetch_block(const uint16_t* b) {
-  for (int l = 0; l < kBlockElems * 2; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(b) + l);
+inline void prefetch_blocks(const uint16_t* b, int64_t n) {
+  for (int64_t l = 0; l < n * kBlockElems * 2; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(b) + l);
 }
 
 class Engine {
@@ -315,7 +320,8 @@ class Engine {
 
   // -- backward ------------------------------------------------------------------------------------------
   // gh[r, 0:I] = gys[r] @ down_e   (down^T tiles derived per task from the packed down: no resident copy)
-  // gys: the gathered output gradients, tiled like xs
+  // gys: the gathered output gradients, tiled like xs. Task: units = 32-column pieces of I = forward k-blocks
+  // of down, so a group of units is a contiguous piece of every down stream.
   void bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t down_, int64_t E, int64_t H, int64_t I,
                 uintptr_t gh_) {
     Dims d(E, H, I);
@@ -326,26 +332,32 @@ class Engine {
     float* gh = P<float>(gh_);
     const int64_t nq = d.Hp / 32;
     run_split(off, poff, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
-      const int64_t p = t.unit;  // 32 columns of I = forward k-block p of down
-      const int64_t row0 = t.r0, m = t.r1 - t.r0;
-      uint16_t *s0, *s1;
-      scratch_streams(pool, tid, nq, &s0, &s1);
+      const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
+      // unit j's W^T streams: s + 2j * nq blocks (its first 16 columns), then nq blocks (the next 16)
+      uint16_t* s = scratch_blocks(pool, tid, 2 * n * nq);
+      const int64_t ahead = std::max<int64_t>(1, kTransposeAheadKiB / n);
       for (int64_t q = 0; q < nq; ++q) {
-        if (q + kTransposeAhead < nq) {
-          prefetch_block(d.dn_block(dn, t.e, 2 * (q + kTransposeAhead), p));
-          prefetch_block(d.dn_block(dn, t.e, 2 * (q + kTransposeAhead) + 1, p));
+        if (q + ahead < nq) {
+          prefetch_blocks(d.dn_block(dn, t.e, 2 * (q + ahead), t.unit), n);
+          prefetch_blocks(d.dn_block(dn, t.e, 2 * (q + ahead) + 1, t.unit), n);
         }
-        K_->transpose_pair(d.dn_block(dn, t.e, 2 * q, p), d.dn_block(dn, t.e, 2 * q + 1, p), s0 + q * kBlockElems,
-                           s1 + q * kBlockElems);
+        const uint16_t *fa = d.dn_block(dn, t.e, 2 * q, t.unit), *fb = d.dn_block(dn, t.e, 2 * q + 1, t.unit);
+        for (int64_t j = 0; j < n; ++j)
+          K_->transpose_pair(fa + j * kBlockElems, fb + j * kBlockElems, s + (2 * j * nq + q) * kBlockElems,
+                             s + ((2 * j + 1) * nq + q) * kBlockElems);
       }
       float* C = scratch_c(pool, tid);
-      const int64_t ncol = std::min<int64_t>(32, I - p * 32);
-      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
-        int64_t mm = std::min(kRowChunk, m - m0);
-        K_->gemm_block(gys + la.at(t.p0 + m0, 0), la, mm, s0, s1, nq, C, 32, 0);
-        for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + r * 32, ncol * 4);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = t.unit + j;
+        const uint16_t* s0 = s + 2 * j * nq * kBlockElems;
+        const int64_t ncol = std::min<int64_t>(32, I - p * 32);
+        for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+          int64_t mm = std::min(kRowChunk, m - m0);
+          K_->gemm_block(gys + la.at(t.p0 + m0, 0), la, mm, s0, s0 + nq * kBlockElems, nq, C, 32, 0);
+          for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + r * 32, ncol * 4);
+        }
       }
-    }, 1, 0, kBwdTaskRows);
+    }, 1, 0, kBwdTaskRows, kBwdGroup);
   }
 
   // per row: grad_w[r] = dot(gh[r], h[r]); ggu[r] = [dL/dg | dL/du] (bf16, Ip each, tiled with padded rows like
@@ -368,7 +380,8 @@ class Engine {
     });
   }
 
-  // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I
+  // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice [q0, q1) of I
+  // Task: units = 32 output columns of H = forward k-blocks of gate/up (a group: contiguous in every stream).
   void bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_, uintptr_t up_, int64_t E,
                    int64_t H, int64_t I, uintptr_t parts_) {
     Dims d(E, H, I);
@@ -379,37 +392,45 @@ class Engine {
     float* parts = P<float>(parts_);
     const int64_t R = off[E];
     run_split(off, poff, E, d.Hp / 32, /*split_units=*/false, [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
-      const int64_t np = t.unit;  // 32 output columns of H = forward k-block np of gate/up
-      const int64_t row0 = t.r0, m = t.r1 - t.r0;
+      const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
       float* out = parts + static_cast<int64_t>(pool) * R * H;
-      const int64_t ncol = std::min<int64_t>(32, H - np * 32);
-      if (q1 <= q0) {
-        for (int64_t r = 0; r < m; ++r) std::memset(out + (row0 + r) * H + np * 32, 0, ncol * 4);
+      const int64_t c0 = t.unit * 32, ncol = std::min<int64_t>(32 * n, H - c0);  // this task's columns of H
+      if (q1 <= q0) {  // more pools than 32-column pieces of I: this pool's part is zero
+        for (int64_t r = 0; r < m; ++r) std::memset(out + (row0 + r) * H + c0, 0, ncol * 4);
         return;
       }
       const int64_t nq = q1 - q0;
-      uint16_t *s0, *s1;
-      scratch_streams(pool, tid, 2 * nq, &s0, &s1);
+      // unit j's W^T streams: s + 4j * nq blocks: gate then up (its first 16 columns), then gate, up (the next 16)
+      uint16_t* s = scratch_blocks(pool, tid, 4 * n * nq);
+      const int64_t ahead = std::max<int64_t>(1, kTransposeAheadKiB / n);
       for (int w = 0; w < 2; ++w) {
         const uint16_t* W = w ? up : gate;
         for (int64_t q = q0; q < q1; ++q) {
-          if (q + kTransposeAhead < q1) {
-            prefetch_block(d.gu_block(W, t.e, 2 * (q + kTransposeAhead), np));
-            prefetch_block(d.gu_block(W, t.e, 2 * (q + kTransposeAhead) + 1, np));
+          if (q + ahead < q1) {
+            prefetch_blocks(d.gu_block(W, t.e, 2 * (q + ahead), t.unit), n);
+            prefetch_blocks(d.gu_block(W, t.e, 2 * (q + ahead) + 1, t.unit), n);
           }
-          int64_t o = (w * nq + q - q0) * kBlockElems;
-          K_->transpose_pair(d.gu_block(W, t.e, 2 * q, np), d.gu_block(W, t.e, 2 * q + 1, np), s0 + o, s1 + o);
+          const uint16_t *fa = d.gu_block(W, t.e, 2 * q, t.unit), *fb = d.gu_block(W, t.e, 2 * q + 1, t.unit);
+          for (int64_t j = 0; j < n; ++j) {
+            uint16_t* o = s + (4 * j * nq + w * nq + q - q0) * kBlockElems;
+            K_->transpose_pair(fa + j * kBlockElems, fb + j * kBlockElems, o, o + 2 * nq * kBlockElems);
+          }
         }
       }
       float* C = scratch_c(pool, tid);
-      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
-        int64_t mm = std::min(kRowChunk, m - m0);
-        K_->gemm_block(ggu + la.at(t.p0 + m0, q0 * 32), la, mm, s0, s1, nq, C, 32, 0);
-        K_->gemm_block(ggu + la.at(t.p0 + m0, d.Ip + q0 * 32), la, mm, s0 + nq * kBlockElems, s1 + nq * kBlockElems,
-                       nq, C, 32, 1);
-        for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, ncol * 4);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t np = t.unit + j;
+        const uint16_t *s0 = s + 4 * j * nq * kBlockElems, *s1 = s0 + 2 * nq * kBlockElems;
+        const int64_t nc = std::min<int64_t>(32, H - np * 32);
+        for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+          int64_t mm = std::min(kRowChunk, m - m0);
+          K_->gemm_block(ggu + la.at(t.p0 + m0, q0 * 32), la, mm, s0, s1, nq, C, 32, 0);
+          K_->gemm_block(ggu + la.at(t.p0 + m0, d.Ip + q0 * 32), la, mm, s0 + nq * kBlockElems,
+                         s1 + nq * kBlockElems, nq, C, 32, 1);
+          for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, nc * 4);
+        }
       }
-    }, 1, d.Ip / 32, kBwdTaskRows);
+    }, 1, d.Ip / 32, kBwdTaskRows, kBwdGroup);
   }
 
   // memset without waking torch's CPU threads
@@ -489,13 +510,23 @@ class Engine {
  private:
   using TaskFn = std::function<void(const Task&, int pool, int tid, int64_t k0, int64_t k1)>;
 
-  // Runs tasks (expert, unit) over all pools at once. With split_units the units are divided among the pools
-  // (each pool its own slice of I, in groups of units_per_split_unit); otherwise every pool runs every unit
-  // over its own slice [k0, k1) of ksplit blocks (partial sums, one output part per pool).
+  // Runs tasks (expert, rows, units) over all pools at once. With split_units the units are divided among the
+  // pools (each pool its own slice of I, in groups of units_per_split_unit); otherwise every pool runs every
+  // unit over its own slice [k0, k1) of ksplit blocks (partial sums, one output part per pool).
+  // A task takes up to `group` consecutive units of its pool's units (the last one of a slice may take fewer);
+  // fewer where the pool would get under kTasksPerThread tasks per thread.
   // poff (may be null): padded offsets of the tiled buffers, for Task::p0.
   void run_split(const int64_t* off, const int64_t* poff, int64_t E, int64_t nsplit, bool split_units, const TaskFn& fn,
-                 int64_t units_per_split_unit = 1, int64_t ksplit = 0, int64_t task_rows = 0) {
+                 int64_t units_per_split_unit = 1, int64_t ksplit = 0, int64_t task_rows = 0, int64_t group = 1) {
     const int npools = num_pools();
+    std::vector<Task> rows;  // (expert, row range) pairs, the same in every pool
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t m = off[e + 1] - off[e];
+      const int64_t step = task_rows > 0 ? task_rows : m;
+      for (int64_t r = 0; r < m; r += step)
+        rows.push_back({static_cast<int32_t>(e), 0, 0, off[e] + r, off[e] + std::min(m, r + step),
+                        (poff ? poff[e] : 0) + r});
+    }
     std::vector<std::vector<Task>> tasks(npools);
     std::vector<std::pair<int64_t, int64_t>> kr(npools);
     for (int p = 0; p < npools; ++p) {
@@ -506,15 +537,16 @@ class Engine {
       } else {
         kr[p] = {ksplit * p / npools, ksplit * (p + 1) / npools};
       }
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t m = off[e + 1] - off[e];
-        if (m == 0) continue;
-        const int64_t step = task_rows > 0 ? task_rows : m;
-        for (int64_t r = 0; r < m; r += step)
-          for (int64_t u = u0; u < u1; ++u)
-            tasks[p].push_back({static_cast<int32_t>(e), static_cast<int32_t>(u), off[e] + r,
-                                off[e] + std::min(m, r + step), (poff ? poff[e] : 0) + r});
-      }
+      int64_t g = std::max<int64_t>(1, group);
+      const int64_t want = kTasksPerThread * pools_[p]->num_threads();
+      while (g > 1 && static_cast<int64_t>(rows.size()) * ((u1 - u0 + g - 1) / g) < want) --g;
+      for (const Task& rt : rows)
+        for (int64_t u = u0; u < u1; u += g) {
+          Task t = rt;
+          t.unit = static_cast<int32_t>(u);
+          t.units = static_cast<int32_t>(std::min(g, u1 - u));
+          tasks[p].push_back(t);
+        }
     }
     std::vector<ThreadPool::Fn> fns(npools);
     for (int p = 0; p < npools; ++p) {
@@ -545,14 +577,13 @@ class Engine {
     float* base = c.data();
     return base + (16 - (reinterpret_cast<uintptr_t>(base) / 4) % 16) % 16;  // 64-byte aligned tile rows
   }
-  void scratch_streams(int pool, int tid, int64_t blocks, uint16_t** s0, uint16_t** s1) {
+  // room for `blocks` 1 KiB blocks, 64-byte aligned; per thread, grows to the largest request and is kept
+  uint16_t* scratch_blocks(int pool, int tid, int64_t blocks) {
     auto& s = scratch_[pool][tid].s;
-    size_t need = static_cast<size_t>(2 * blocks * kBlockElems + 64);
+    size_t need = static_cast<size_t>(blocks * kBlockElems + 32);
     if (s.size() < need) s.resize(need);
     uint16_t* base = s.data();
-    base += (64 - (reinterpret_cast<uintptr_t>(base) / 2) % 32) % 32;  // 64-byte align
-    *s0 = base;
-    *s1 = base + blocks * kBlockElems;
+    return base + (32 - (reinterpret_cast<uintptr_t>(base) / 2) % 32) % 32;  // 64-byte align
   }
 
   const KernelTable* K_;

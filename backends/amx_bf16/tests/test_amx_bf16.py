@@ -139,6 +139,24 @@ def test_thread_pools_match_single_pool(kernels):
         assert relative_error(b, a) < 1e-5
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("pools", [2, 3])
+def test_backward_unit_groups_with_pools(kernels, pools):
+    """A backward task covers up to 4 adjacent output units, fewer when a pool would get under 4 tasks per thread.
+    H=300 (10 units of gate/up, every pool) and I=200 (7 units of down, split over the pools) leave partial
+    groups; with one thread per pool (4 experts with tokens) the groups are up to 4 units wide, with 8 threads
+    per pool single units. Both must match the reference, and each other exactly (same pools, same sums)."""
+    case = Case(4, 300, 200, 40, 2, rank=2, label="unit-groups")
+    runs = []
+    for per_pool in (1, 8):
+        b = _backend(kernels, kt_num_threads=per_pool * pools, kt_tp_enabled=True, kt_threadpool_count=pools)
+        assert b.num_pools == pools
+        y, gx, gw, lg = _check(b, case)
+        runs.append([y, gx, gw] + [t for t in lg.tensors() if t is not None])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_num_threads_from_config():
     b = _backend("portable", kt_num_threads=3)
     assert b.num_threads == 3
