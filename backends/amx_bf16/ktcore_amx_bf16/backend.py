@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ktcore import hugepages
 from ktcore.expert_lora import lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 
@@ -171,7 +172,7 @@ class AMXBF16Backend(ExpertBackendBase):
         e, i, h = weights.gate.shape
 
         def pack_one(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
-            dst = torch.empty(e * (_rup(n, 32) // 16) * (_rup(k, 32) // 32) * 512, dtype=torch.int16)
+            dst = hugepages.empty(e * (_rup(n, 32) // 16) * (_rup(k, 32) // 32) * 512, torch.int16)
             for e0 in range(0, e, 16):  # convert a few experts at a time: bounded extra memory
                 src = w[e0:e0 + 16].detach().to("cpu", torch.bfloat16).contiguous()
                 per = (_rup(n, 32) // 16) * (_rup(k, 32) // 32) * 512
