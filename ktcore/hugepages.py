@@ -2,43 +2,40 @@
 
 A layer's packed experts are hundreds of MB read in streams and, in backward, in strided pieces of a few KiB.
 On 4 KiB pages every such piece costs a TLB miss and a page walk; on 2 MiB pages a whole expert matrix sits
-under a few TLB entries. Linux gives anonymous memory huge pages where ``/sys/kernel/mm/transparent_hugepage/
-enabled`` is ``always``, or ``madvise`` and the range was advised with MADV_HUGEPAGE before it is first
-touched: ``empty`` returns a 2 MiB-aligned tensor so advised. ``KTCORE_HUGE_PAGES=0`` turns this off.
+under a few TLB entries. Linux backs anonymous memory with huge pages where ``/sys/kernel/mm/
+transparent_hugepage/enabled`` is ``always``, or ``madvise`` and the range was advised with MADV_HUGEPAGE
+before it is first touched. ``empty`` maps fresh memory for that (the allocator may hand out heap pages that
+are already touched) and returns a 2 MiB-aligned tensor on it. ``KTCORE_HUGE_PAGES=0`` turns this off.
 """
 
 from __future__ import annotations
 
-import ctypes
+import mmap
 import os
 import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
-MIN_BYTES = 8 * HUGE_PAGE  # below this the alignment slack (up to 2 MiB) is not worth it
-_MADV_HUGEPAGE = 14
+MIN_BYTES = 8 * HUGE_PAGE  # below this the alignment slack (up to 2 MiB of address space) is not worth it
 
 
 def enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("KTCORE_HUGE_PAGES", "1") != "0"
-
-
-def advise(address: int, nbytes: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on [address, address + nbytes); True when the kernel accepted it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(address, nbytes, _MADV_HUGEPAGE) == 0
+    return (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
+            and os.environ.get("KTCORE_HUGE_PAGES", "1") != "0")
 
 
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(numel, dtype=dtype)``; when large, 2 MiB-aligned and advised for huge pages (untouched, so
-    the first writes fault in huge pages)."""
+    """``torch.empty(numel, dtype=dtype)``; when large, on a fresh 2 MiB-aligned mapping advised for huge pages
+    (untouched, so the first writes fault in huge pages). The tensor keeps its mapping alive."""
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     if nbytes < MIN_BYTES or not enabled():
         return torch.empty(numel, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
-    out = raw[start:start + nbytes].view(dtype)
-    advise(out.data_ptr(), nbytes)
-    return out
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    except OSError:  # a kernel without THP: plain pages
+        pass
+    return raw[start:start + nbytes].view(dtype)
