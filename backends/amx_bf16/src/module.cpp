@@ -80,6 +80,7 @@ struct Task {
 };
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert computed per inner step (C scratch 32 KB)
+constexpr int64_t kCBlock = kRowChunk * 32;
 // Rows of one expert per task: a thread runs consecutive output blocks on the same rows, so those rows stay
 // in its L2 (256 rows x 2048 x 2 B = 1 MB). Backward tasks take more rows: each derives transposed tiles.
 constexpr int64_t kFwdTaskRows = 256;
@@ -90,11 +91,45 @@ constexpr int64_t kBwdTaskRows = 1024;
 // stream (a page's worth at G = 4). Fewer when a pool would get under kTasksPerThread tasks per thread (decode).
 constexpr int64_t kBwdGroup = 4;
 constexpr int64_t kTasksPerThread = 4;
-// The strided pieces are prefetched in software: about this many KiB of every stream ahead of the transpose.
-constexpr int64_t kTransposeAheadKiB = 4;
+// A task transposes and multiplies kChunkSteps steps (stream pairs) at a time, prefetching the next chunk's
+// pieces into L2 while this chunk's tile products run (see transpose_and_multiply).
+constexpr int64_t kChunkSteps = 8;
 
-inline void prefetch_blocks(const uint16_t* b, int64_t n) {
-  for (int64_t l = 0; l < n * kBlockElems * 2; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(b) + l);
+inline void prefetch_blocks_l2(const uint16_t* b, int64_t n) {
+  for (int64_t l = 0; l < n * kBlockElems * 2; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(b) + l, 0, 2);
+}
+
+// The loop of a backward task over its steps: step i transposes the n-block pieces piece(i, 0) and piece(i, 1)
+// into the task's scratch (transpose(i)); gemm(i0, i1, acc) multiplies the rows by the transposed steps
+// [i0, i1), adding to the partial sums when acc. The products run in chunks of kChunkSteps that end at `split`
+// too (the gate/up boundary of bwd_gate_up), and, while the rows' first pass (`transposing`) transposes a
+// chunk, the next chunk's pieces are already on their way to L2: a thread's DRAM reads then overlap its tile
+// products instead of taking turns with them (memory-bound backward, about 32 rows per expert: reading a
+// task's pieces and its products take similar times). Later passes (more rows) find the scratch complete.
+template <class Piece, class Transpose, class Gemm>
+inline void transpose_and_multiply(int64_t steps, int64_t split, int64_t n, bool transposing, const Piece& piece,
+                                   const Transpose& transpose, const Gemm& gemm) {
+  const int64_t chunk = transposing ? kChunkSteps : steps;
+  auto chunk_end = [&](int64_t i0) {
+    const int64_t e = std::min(steps, i0 + chunk);
+    return i0 < split && e > split ? split : e;
+  };
+  auto prefetch = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      prefetch_blocks_l2(piece(i, 0), n);
+      prefetch_blocks_l2(piece(i, 1), n);
+    }
+  };
+  if (transposing) prefetch(0, chunk_end(0));
+  for (int64_t i0 = 0; i0 < steps;) {
+    const int64_t i1 = chunk_end(i0);
+    if (transposing) {
+      if (i1 < steps) prefetch(i1, chunk_end(i1));
+      for (int64_t i = i0; i < i1; ++i) transpose(i);
+    }
+    gemm(i0, i1, i0 > 0);
+    i0 = i1;
+  }
 }
 
 class Engine {
@@ -335,26 +370,27 @@ class Engine {
       const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
       // unit j's W^T streams: s + 2j * nq blocks (its first 16 columns), then nq blocks (the next 16)
       uint16_t* s = scratch_blocks(pool, tid, 2 * n * nq);
-      const int64_t ahead = std::max<int64_t>(1, kTransposeAheadKiB / n);
-      for (int64_t q = 0; q < nq; ++q) {
-        if (q + ahead < nq) {
-          prefetch_blocks(d.dn_block(dn, t.e, 2 * (q + ahead), t.unit), n);
-          prefetch_blocks(d.dn_block(dn, t.e, 2 * (q + ahead) + 1, t.unit), n);
-        }
-        const uint16_t *fa = d.dn_block(dn, t.e, 2 * q, t.unit), *fb = d.dn_block(dn, t.e, 2 * q + 1, t.unit);
+      float* C = scratch_c(pool, tid, n);  // unit j's sums at C + j * kCBlock
+      auto piece = [&](int64_t q, int odd) { return d.dn_block(dn, t.e, 2 * q + odd, t.unit); };
+      auto transpose = [&](int64_t q) {
+        const uint16_t *fa = piece(q, 0), *fb = piece(q, 1);
         for (int64_t j = 0; j < n; ++j)
           K_->transpose_pair(fa + j * kBlockElems, fb + j * kBlockElems, s + (2 * j * nq + q) * kBlockElems,
                              s + ((2 * j + 1) * nq + q) * kBlockElems);
-      }
-      float* C = scratch_c(pool, tid);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = t.unit + j;
-        const uint16_t* s0 = s + 2 * j * nq * kBlockElems;
-        const int64_t ncol = std::min<int64_t>(32, I - p * 32);
-        for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
-          int64_t mm = std::min(kRowChunk, m - m0);
-          K_->gemm_block(gys + la.at(t.p0 + m0, 0), la, mm, s0, s0 + nq * kBlockElems, nq, C, 32, 0);
-          for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + r * 32, ncol * 4);
+      };
+      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+        const int64_t mm = std::min(kRowChunk, m - m0);
+        transpose_and_multiply(nq, nq, n, m0 == 0, piece, transpose, [&](int64_t q0, int64_t q1, int acc) {
+          for (int64_t j = 0; j < n; ++j) {
+            const uint16_t* s0 = s + (2 * j * nq + q0) * kBlockElems;
+            K_->gemm_block(gys + la.at(t.p0 + m0, q0 * 32), la, mm, s0, s0 + nq * kBlockElems, q1 - q0,
+                           C + j * kCBlock, 32, acc);
+          }
+        });
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t p = t.unit + j, ncol = std::min<int64_t>(32, I - p * 32);
+          for (int64_t r = 0; r < mm; ++r)
+            std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + j * kCBlock + r * 32, ncol * 4);
         }
       }
     }, 1, 0, kBwdTaskRows, kBwdGroup);
@@ -402,32 +438,32 @@ class Engine {
       const int64_t nq = q1 - q0;
       // unit j's W^T streams: s + 4j * nq blocks: gate then up (its first 16 columns), then gate, up (the next 16)
       uint16_t* s = scratch_blocks(pool, tid, 4 * n * nq);
-      const int64_t ahead = std::max<int64_t>(1, kTransposeAheadKiB / n);
-      for (int w = 0; w < 2; ++w) {
-        const uint16_t* W = w ? up : gate;
-        for (int64_t q = q0; q < q1; ++q) {
-          if (q + ahead < q1) {
-            prefetch_blocks(d.gu_block(W, t.e, 2 * (q + ahead), t.unit), n);
-            prefetch_blocks(d.gu_block(W, t.e, 2 * (q + ahead) + 1, t.unit), n);
-          }
-          const uint16_t *fa = d.gu_block(W, t.e, 2 * q, t.unit), *fb = d.gu_block(W, t.e, 2 * q + 1, t.unit);
-          for (int64_t j = 0; j < n; ++j) {
-            uint16_t* o = s + (4 * j * nq + w * nq + q - q0) * kBlockElems;
-            K_->transpose_pair(fa + j * kBlockElems, fb + j * kBlockElems, o, o + 2 * nq * kBlockElems);
-          }
+      float* C = scratch_c(pool, tid, n);  // unit j's sums at C + j * kCBlock
+      // step i < nq: gate's streams 2q and 2q+1 (q = q0 + i); step nq + i: up's
+      auto piece = [&](int64_t i, int odd) {
+        return d.gu_block(i < nq ? gate : up, t.e, 2 * (q0 + i % nq) + odd, t.unit);
+      };
+      auto transpose = [&](int64_t i) {
+        const uint16_t *fa = piece(i, 0), *fb = piece(i, 1);
+        for (int64_t j = 0; j < n; ++j) {
+          uint16_t* o = s + (4 * j * nq + i) * kBlockElems;
+          K_->transpose_pair(fa + j * kBlockElems, fb + j * kBlockElems, o, o + 2 * nq * kBlockElems);
         }
-      }
-      float* C = scratch_c(pool, tid);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t np = t.unit + j;
-        const uint16_t *s0 = s + 4 * j * nq * kBlockElems, *s1 = s0 + 2 * nq * kBlockElems;
-        const int64_t nc = std::min<int64_t>(32, H - np * 32);
-        for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
-          int64_t mm = std::min(kRowChunk, m - m0);
-          K_->gemm_block(ggu + la.at(t.p0 + m0, q0 * 32), la, mm, s0, s1, nq, C, 32, 0);
-          K_->gemm_block(ggu + la.at(t.p0 + m0, d.Ip + q0 * 32), la, mm, s0 + nq * kBlockElems,
-                         s1 + nq * kBlockElems, nq, C, 32, 1);
-          for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, nc * 4);
+      };
+      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+        const int64_t mm = std::min(kRowChunk, m - m0);
+        transpose_and_multiply(2 * nq, nq, n, m0 == 0, piece, transpose, [&](int64_t i0, int64_t i1, int acc) {
+          const int64_t col = (i0 < nq ? 0 : d.Ip) + (q0 + i0 % nq) * 32;  // ggu's gate or up columns
+          for (int64_t j = 0; j < n; ++j) {
+            const uint16_t* s0 = s + (4 * j * nq + i0) * kBlockElems;
+            K_->gemm_block(ggu + la.at(t.p0 + m0, col), la, mm, s0, s0 + 2 * nq * kBlockElems, i1 - i0,
+                           C + j * kCBlock, 32, acc);
+          }
+        });
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t np = t.unit + j, nc = std::min<int64_t>(32, H - np * 32);
+          for (int64_t r = 0; r < mm; ++r)
+            std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + j * kCBlock + r * 32, nc * 4);
         }
       }
     }, 1, d.Ip / 32, kBwdTaskRows, kBwdGroup);
@@ -571,9 +607,10 @@ class Engine {
     std::vector<uint16_t> s;
   };
 
-  float* scratch_c(int pool, int tid) {
+  // room for `count` C blocks of kCBlock floats (kRowChunk rows x 32)
+  float* scratch_c(int pool, int tid, int64_t count = 1) {
     auto& c = scratch_[pool][tid].c;
-    if (c.size() < static_cast<size_t>(kRowChunk * 32 + 64)) c.resize(kRowChunk * 32 + 64);
+    if (c.size() < static_cast<size_t>(count * kCBlock + 64)) c.resize(count * kCBlock + 64);
     float* base = c.data();
     return base + (16 - (reinterpret_cast<uintptr_t>(base) / 4) % 16) % 16;  // 64-byte aligned tile rows
   }
