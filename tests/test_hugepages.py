@@ -25,6 +25,7 @@ def _anon_huge_kb(address: int) -> int:
 def test_small_buffers_are_plain_tensors():
     t = hugepages.empty(1000, torch.int16)
     assert t.shape == (1000,) and t.dtype == torch.int16
+    assert hugepages.empty((3, 5), torch.float32).shape == (3, 5)
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
@@ -40,3 +41,7 @@ def test_large_buffers_are_aligned_and_on_huge_pages(monkeypatch):
     assert not hugepages.enabled()
     plain = hugepages.empty(numel, torch.int16)
     assert plain.untyped_storage().nbytes() == 2 * numel  # no alignment slack
+    monkeypatch.delenv("KTCORE_HUGE_PAGES")
+
+    rows = hugepages.empty((1024, 4097), torch.float32)  # a saved activation: 2-D, 16 MiB and more
+    assert rows.shape == (1024, 4097) and rows.is_contiguous() and rows.data_ptr() % hugepages.HUGE_PAGE == 0

@@ -237,11 +237,11 @@ class AMXBF16Backend(ExpertBackendBase):
         prof("fwd.gather")
         ldh = _ld(ip)
         h_shape = (R + _SLACK, ldh)
-        h = torch.empty(h_shape, dtype=torch.bfloat16) if save else self._ws.get("h", h_shape, torch.bfloat16)
+        h = hugepages.empty(h_shape, torch.bfloat16) if save else self._ws.get("h", h_shape, torch.bfloat16)
         self._zero_rows(h, R)
         keep_gu = save or lora_gu
-        g = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
-        u = torch.empty(R, I, dtype=torch.float32) if keep_gu else None
+        g = hugepages.empty((R, I), torch.float32) if keep_gu else None
+        u = hugepages.empty((R, I), torch.float32) if keep_gu else None
         off = route.offsets
         eng.gate_up(xs.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
                     packed.up.data_ptr(), E, H, I, h.data_ptr(), _addr(g), _addr(u), not lora_gu, ldh)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ktcore import hugepages
 from ktcore.expert_lora import lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 
@@ -372,7 +373,7 @@ class LlamafileBackend(ExpertBackendBase):
         row_tok = torch.empty(T * K, dtype=torch.int32)
         w_row = torch.empty(T * K, dtype=torch.float32)
         y = torch.empty(T, H, dtype=torch.float32)
-        saved = [torch.empty(T * K, n, dtype=torch.float32) for n in (I, I, I, H)] if save else []
+        saved = [hugepages.empty((T * K, n), torch.float32) for n in (I, I, I, H)] if save else []
         R = self._engine.forward16(packed.native_layer, xf.data_ptr(), xf.stride(0), T, K, ids.data_ptr(),
                                    wts.data_ptr(), offsets.data_ptr(), order.data_ptr(), row_tok.data_ptr(),
                                    w_row.data_ptr(), y.data_ptr(), y.stride(0), *[t.data_ptr() for t in saved] or
