@@ -10,7 +10,8 @@ scale per block; or int8 by ggml's Q8_0 rule, see ``activations``) and dotted ag
 (integer dot per 32-element block -> int32, scaled in fp32); float block types (F32/F16/BF16) are dotted in fp32. SiLU(gate) * up and the routing
 weights are applied in fp32. Backward computes the transposed products (grad through down, gate and up)
 straight from the blocks, dequantising a few blocks at a time, and the routing-weight gradient from the
-saved per-expert outputs. Expert LoRA is fp32 torch math between the C++ phases.
+saved per-expert outputs. Expert LoRA is fp32 torch math between the C++ phases; without it (SiLU, q16
+activations, quantised blocks) the whole forward is one C++ call, ``Engine.forward16``, bit for bit the phases.
 """
 
 from __future__ import annotations

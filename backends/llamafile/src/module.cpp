@@ -452,7 +452,7 @@ class Engine {
   const Kernels& k_;
   ktcore::ThreadPool pool_;
   std::vector<Scratch> scratch_;
-  Fwd16 fwd_;  // forward16's buffers, kept between calls
+  Fwd16 fwd_;  // forward16's buffers, kept between calls (one caller at a time, as for the pool)
 };
 
 void dequantize(int qtype, uintptr_t src, int64_t nblocks, uintptr_t dst) {
