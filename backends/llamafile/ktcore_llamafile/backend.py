@@ -147,6 +147,15 @@ class _Acts:
             self.ptrs = (0, 0, 0, self.xf.data_ptr())
 
 
+def _route_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> tuple:
+    """The routing as the C++ side reads it (ids int64 and weights fp32, flat) and the arrays its routing
+    fills: offsets [E+1], order [T*K], row_tok [T*K], w_row [T*K]."""
+    n = topk_ids.numel()
+    return (topk_ids.reshape(-1).to(torch.int64).contiguous(), topk_weights.reshape(-1).to(torch.float32).contiguous(),
+            torch.empty(E + 1, dtype=torch.int64), torch.empty(n, dtype=torch.int64),
+            torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.float32))
+
+
 def _has_expert_lora(lora: Optional[ExpertLoRA]) -> bool:
     return lora is not None and ((lora.gate_up_a is not None and lora.gate_up_b is not None) or
                                  (lora.down_a is not None and lora.down_b is not None))
@@ -292,12 +301,7 @@ class LlamafileBackend(ExpertBackendBase):
     # -- C++ calls -----------------------------------------------------------------------------------------
     def _route(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> _Route:
         T, K = topk_ids.shape
-        ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
-        wts = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        offsets = torch.empty(E + 1, dtype=torch.int64)
-        order = torch.empty(T * K, dtype=torch.int64)
-        row_tok = torch.empty(T * K, dtype=torch.int32)
-        w_row = torch.empty(T * K, dtype=torch.float32)
+        ids, wts, offsets, order, row_tok, w_row = _route_arrays(topk_ids, topk_weights, E)
         R = self._engine.route(ids.data_ptr(), wts.data_ptr(), T * K, K, E, offsets.data_ptr(), order.data_ptr(),
                                row_tok.data_ptr(), w_row.data_ptr())
         return _Route(T, K, R, offsets, row_tok[:R], order[:R], w_row[:R])
@@ -367,12 +371,7 @@ class LlamafileBackend(ExpertBackendBase):
         """Engine.forward16: the same results as the phased forward, in one C++ call with two pool dispatches."""
         T, K = topk_ids.shape
         E, H, I = packed.num_experts, packed.hidden, packed.inter
-        ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
-        wts = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        offsets = torch.empty(E + 1, dtype=torch.int64)
-        order = torch.empty(T * K, dtype=torch.int64)
-        row_tok = torch.empty(T * K, dtype=torch.int32)
-        w_row = torch.empty(T * K, dtype=torch.float32)
+        ids, wts, offsets, order, row_tok, w_row = _route_arrays(topk_ids, topk_weights, E)
         y = torch.empty(T, H, dtype=torch.float32)
         saved = [hugepages.empty((T * K, n), torch.float32) for n in (I, I, I, H)] if save else []
         R = self._engine.forward16(packed.native_layer, xf.data_ptr(), xf.stride(0), T, K, ids.data_ptr(),
