@@ -30,6 +30,40 @@ static inline void cfg() { _tile_loadconfig(&kCfg); }
 
 constexpr int KBLK = 512;  // 16 x 32 bf16
 
+// The 32 x 32 C block in tiles 0-3 (rows 0-15: tiles 0, 1; rows 16-31: tiles 2, 3), fp32 with ldc floats per row.
+static inline void zero_c() { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+static inline void load_c(const float* c, int64_t ldc) {
+  const int64_t sc = ldc * 4;
+  _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc); _tile_loadd(2, c + 16 * ldc, sc); _tile_loadd(3, c + 16 * ldc + 16, sc);
+}
+static inline void store_c(float* c, int64_t ldc) {
+  const int64_t sc = ldc * 4;
+  _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc); _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
+}
+
+// The two 16-row A groups of rows m0.. (a0, a1), their tile stride and k-block step, row-major or blocked.
+struct ARows {
+  const uint16_t *a0, *a1;
+  int64_t sa, astep;
+};
+template <bool BLOCKED>
+static inline ARows a_rows(const uint16_t* A, int64_t lda, int64_t kb, int64_t m0) {
+  if (BLOCKED) return {A + (m0 / 16) * kb * KBLK, A + (m0 / 16 + 1) * kb * KBLK, 64, KBLK};
+  return {A + m0 * lda, A + (m0 + 16) * lda, lda * 2, 32};
+}
+
+// One k-step of v1/v2: each operand load placed just before the first product that reads it.
+static inline void step_interleaved(const ARows& a, const uint16_t* B0, const uint16_t* B1, int64_t k) {
+  _tile_loadd(4, a.a0 + k * a.astep, a.sa);
+  _tile_loadd(6, B0 + k * KBLK, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, B1 + k * KBLK, 64);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_loadd(5, a.a1 + k * a.astep, a.sa);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 // B packed per 16-column stream: stream s, k-block k at (s*KB + k)*512.
 // A row-major with lda (elements), or A blocked: row group g (16 rows), k-block k at (g*KB + k)*512.
 
@@ -37,7 +71,7 @@ constexpr int KBLK = 512;  // 16 x 32 bf16
 static void v0(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, const uint16_t* B1, int64_t kb, float* C,
                int64_t ldc, bool percall_cfg) {
   if (percall_cfg) cfg();
-  const int64_t sa = lda * 2, sc = ldc * 4;
+  const int64_t sa = lda * 2;
   constexpr int64_t kKC = 8;
   for (int64_t k0 = 0; k0 < kb; k0 += kKC) {
     const int64_t k1 = k0 + kKC < kb ? k0 + kKC : kb;
@@ -46,8 +80,8 @@ static void v0(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, co
       const uint16_t* a0 = A + m0 * lda;
       const uint16_t* a1 = a0 + 16 * lda;
       float* c = C + m0 * ldc;
-      if (fresh) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
-      else { _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc); _tile_loadd(2, c + 16 * ldc, sc); _tile_loadd(3, c + 16 * ldc + 16, sc); }
+      if (fresh) { zero_c(); }
+      else { load_c(c, ldc); }
       for (int64_t k = k0; k < k1; ++k) {
         _tile_loadd(4, a0 + k * 32, sa);
         _tile_loadd(6, B0 + k * KBLK, 64);
@@ -55,7 +89,7 @@ static void v0(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, co
         _tile_loadd(5, a1 + k * 32, sa);
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
       }
-      _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc); _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
+      store_c(c, ldc);
     }
   }
 }
@@ -64,39 +98,27 @@ static void v0(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, co
 template <bool BLOCKED, int PF>
 static void v1(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, const uint16_t* B1, int64_t kb, float* C,
                int64_t ldc) {
-  const int64_t sc = ldc * 4;
   for (int64_t m0 = 0; m0 < m; m0 += 32) {
-    const uint16_t *a0, *a1;
-    int64_t sa, astep;
-    if (BLOCKED) { a0 = A + (m0 / 16) * kb * KBLK; a1 = a0 + kb * KBLK; sa = 64; astep = KBLK; }
-    else { a0 = A + m0 * lda; a1 = a0 + 16 * lda; sa = lda * 2; astep = 32; }
-    float* c = C + m0 * ldc;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const ARows a = a_rows<BLOCKED>(A, lda, kb, m0);
+    zero_c();
     for (int64_t k = 0; k < kb; ++k) {
       if (PF) {
         const int64_t kp = k + PF < kb ? k + PF : kb - 1;
         if (BLOCKED) {
           for (int l = 0; l < 1024; l += 256) {  // 4 of the 16 lines of each: hw prefetcher does the rest
-            _mm_prefetch((const char*)(a0 + kp * KBLK) + l, _MM_HINT_T0);
-            _mm_prefetch((const char*)(a1 + kp * KBLK) + l, _MM_HINT_T0);
+            _mm_prefetch((const char*)(a.a0 + kp * KBLK) + l, _MM_HINT_T0);
+            _mm_prefetch((const char*)(a.a1 + kp * KBLK) + l, _MM_HINT_T0);
           }
         } else {
           for (int r = 0; r < 16; ++r) {
-            _mm_prefetch((const char*)(a0 + r * lda + kp * 32), _MM_HINT_T0);
-            _mm_prefetch((const char*)(a1 + r * lda + kp * 32), _MM_HINT_T0);
+            _mm_prefetch((const char*)(a.a0 + r * lda + kp * 32), _MM_HINT_T0);
+            _mm_prefetch((const char*)(a.a1 + r * lda + kp * 32), _MM_HINT_T0);
           }
         }
       }
-      _tile_loadd(4, a0 + k * astep, sa);
-      _tile_loadd(6, B0 + k * KBLK, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, B1 + k * KBLK, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, a1 + k * astep, sa);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      step_interleaved(a, B0, B1, k);
     }
-    _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc); _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
+    store_c(C + m0 * ldc, ldc);
   }
 }
 
@@ -105,31 +127,16 @@ static void v1(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B0, co
 template <bool BLOCKED, int KC, int NU>
 static void v2(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* const* Bs, int64_t kb, float* const* Cs,
                int64_t ldc) {
-  const int64_t sc = ldc * 4;
   for (int64_t k0 = 0; k0 < kb; k0 += KC) {
     const int64_t k1 = k0 + KC < kb ? k0 + KC : kb;
     for (int64_t m0 = 0; m0 < m; m0 += 32) {
-      const uint16_t *a0, *a1;
-      int64_t sa, astep;
-      if (BLOCKED) { a0 = A + (m0 / 16) * kb * KBLK; a1 = a0 + kb * KBLK; sa = 64; astep = KBLK; }
-      else { a0 = A + m0 * lda; a1 = a0 + 16 * lda; sa = lda * 2; astep = 32; }
+      const ARows a = a_rows<BLOCKED>(A, lda, kb, m0);
       for (int u = 0; u < NU; ++u) {
-        const uint16_t* B0 = Bs[2 * u];
-        const uint16_t* B1 = Bs[2 * u + 1];
         float* c = Cs[u] + m0 * ldc;
-        if (k0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
-        else { _tile_loadd(0, c, sc); _tile_loadd(1, c + 16, sc); _tile_loadd(2, c + 16 * ldc, sc); _tile_loadd(3, c + 16 * ldc + 16, sc); }
-        for (int64_t k = k0; k < k1; ++k) {
-          _tile_loadd(4, a0 + k * astep, sa);
-          _tile_loadd(6, B0 + k * KBLK, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, B1 + k * KBLK, 64);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, a1 + k * astep, sa);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc); _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
+        if (k0 == 0) zero_c();
+        else load_c(c, ldc);
+        for (int64_t k = k0; k < k1; ++k) step_interleaved(a, Bs[2 * u], Bs[2 * u + 1], k);
+        store_c(c, ldc);
       }
     }
   }
@@ -138,12 +145,11 @@ static void v2(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* const*
 
 // ---- V3: 2x2 with the next step's loads issued as soon as their tile register is free (software pipelined)
 static void v3(const uint16_t* A, int64_t m, const uint16_t* B0, const uint16_t* B1, int64_t kb, float* C, int64_t ldc) {
-  const int64_t sc = ldc * 4;
   for (int64_t m0 = 0; m0 < m; m0 += 32) {
     const uint16_t* a0 = A + (m0 / 16) * kb * KBLK;
     const uint16_t* a1 = a0 + kb * KBLK;
     float* c = C + m0 * ldc;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    zero_c();
     _tile_loadd(4, a0, 64); _tile_loadd(6, B0, 64); _tile_loadd(7, B1, 64); _tile_loadd(5, a1, 64);
     int64_t k = 0;
     for (; k + 1 < kb; ++k) {
@@ -160,13 +166,12 @@ static void v3(const uint16_t* A, int64_t m, const uint16_t* B0, const uint16_t*
       _tile_loadd(5, a1 + n * KBLK, 64);
     }
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-    _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc); _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
+    store_c(c, ldc);
   }
 }
 
 // ---- V4: 2 C tiles (16 rows x 32 cols), operands double-buffered: A in 2/3, B pairs in 4,5 / 6,7
 static void v4(const uint16_t* A, int64_t m, const uint16_t* B0, const uint16_t* B1, int64_t kb, float* C, int64_t ldc) {
-  const int64_t sc = ldc * 4;
   for (int64_t m0 = 0; m0 < m; m0 += 16) {
     const uint16_t* a0 = A + (m0 / 16) * kb * KBLK;
     float* c = C + m0 * ldc;
@@ -182,18 +187,17 @@ static void v4(const uint16_t* A, int64_t m, const uint16_t* B0, const uint16_t*
       _tile_loadd(2, a0 + k * KBLK, 64); _tile_loadd(4, B0 + k * KBLK, 64); _tile_loadd(5, B1 + k * KBLK, 64);
       _tile_dpbf16ps(0, 2, 4); _tile_dpbf16ps(1, 2, 5);
     }
-    _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
+    _tile_stored(0, c, ldc * 4); _tile_stored(1, c + 16, ldc * 4);
   }
 }
 
 // ---- V5: as v1 (blocked A, whole K), with all four loads of a step issued before its four products
 static void v5(const uint16_t* A, int64_t m, const uint16_t* B0, const uint16_t* B1, int64_t kb, float* C, int64_t ldc) {
-  const int64_t sc = ldc * 4;
   for (int64_t m0 = 0; m0 < m; m0 += 32) {
     const uint16_t* a0 = A + (m0 / 16) * kb * KBLK;
     const uint16_t* a1 = a0 + kb * KBLK;
     float* c = C + m0 * ldc;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    zero_c();
     for (int64_t k = 0; k < kb; ++k) {
       _tile_loadd(4, a0 + k * KBLK, 64);
       _tile_loadd(5, a1 + k * KBLK, 64);
@@ -201,14 +205,14 @@ static void v5(const uint16_t* A, int64_t m, const uint16_t* B0, const uint16_t*
       _tile_loadd(7, B1 + k * KBLK, 64);
       _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc); _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc);
+    store_c(c, ldc);
   }
 }
 
 static double tile_peak_iter(int64_t iters) {
   alignas(64) static uint16_t z[512] = {};
   _tile_loadd(4, z, 64); _tile_loadd(5, z, 64); _tile_loadd(6, z, 64); _tile_loadd(7, z, 64);
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  zero_c();
   for (int64_t i = 0; i < iters; ++i) {
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
   }
