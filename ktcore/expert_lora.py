@@ -11,6 +11,18 @@ from typing import Optional
 
 import torch
 
+from ktcore.experts import ExpertLoRA
+
+
+def has_gate_up(lora: Optional[ExpertLoRA]) -> bool:
+    """True when lora carries both gate/up factors."""
+    return lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None
+
+
+def has_down(lora: Optional[ExpertLoRA]) -> bool:
+    """True when lora carries both down factors."""
+    return lora is not None and lora.down_a is not None and lora.down_b is not None
+
 
 def segments(offsets: torch.Tensor) -> list:
     """(e, r0, r1) for every expert e with rows, from the expert offsets [E+1]."""

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ktcore import hugepages
-from ktcore.expert_lora import lora_backward, lora_forward
+from ktcore.expert_lora import has_down, has_gate_up, lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 
 _SLACK = 32  # extra rows after the row-major h buffer: AMX tiles read whole 16-row groups
@@ -230,8 +230,8 @@ class AMXBF16Backend(ExpertBackendBase):
         route = self._route(topk_ids, topk_weights, E)
         R = route.R
         prof("fwd.route")
-        lora_gu = lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None
-        lora_dn = lora is not None and lora.down_a is not None and lora.down_b is not None
+        lora_gu = has_gate_up(lora)
+        lora_dn = has_down(lora)
 
         xs = self._gather(x, route, hp)
         prof("fwd.gather")
@@ -276,8 +276,8 @@ class AMXBF16Backend(ExpertBackendBase):
         route = ctx.route
         R, T, K = route.R, route.T, route.K
         off = route.offsets
-        lora_gu = lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None
-        lora_dn = lora is not None and lora.down_a is not None and lora.down_b is not None
+        lora_gu = has_gate_up(lora)
+        lora_dn = has_down(lora)
         grads = ExpertLoRAGrads()
 
         prof = _Prof()

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ktcore import hugepages
-from ktcore.expert_lora import lora_backward, lora_forward
+from ktcore.expert_lora import has_down, has_gate_up, lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 
 from . import blocks as B
@@ -154,11 +154,6 @@ def _route_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) ->
     return (topk_ids.reshape(-1).to(torch.int64).contiguous(), topk_weights.reshape(-1).to(torch.float32).contiguous(),
             torch.empty(E + 1, dtype=torch.int64), torch.empty(n, dtype=torch.int64),
             torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.float32))
-
-
-def _has_expert_lora(lora: Optional[ExpertLoRA]) -> bool:
-    return lora is not None and ((lora.gate_up_a is not None and lora.gate_up_b is not None) or
-                                 (lora.down_a is not None and lora.down_b is not None))
 
 
 # activations mode -> bits per activation; "q8x2" is the former name of the ~15-bit mode (two int8 planes, x and
@@ -339,7 +334,7 @@ class LlamafileBackend(ExpertBackendBase):
             raise ValueError(f"x must be [T, {packed.hidden}], got {tuple(x.shape)}")
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         xf = x.detach().to(torch.float32).contiguous()
-        if not _has_expert_lora(lora) and packed.activation == "silu" and self._bits == 16 and packed.native_layer:
+        if not (has_gate_up(lora) or has_down(lora)) and packed.activation == "silu" and self._bits == 16 and packed.native_layer:
             return self._forward_fused(packed, x, xf, topk_ids, topk_weights, save)
         route = self._route(topk_ids, topk_weights, E)
         R = route.R
@@ -349,7 +344,7 @@ class LlamafileBackend(ExpertBackendBase):
         self._matmul(packed.gate, self._acts(packed.gate, xf, route.row_tok, R, cache), route, g)
         self._matmul(packed.up, self._acts(packed.up, xf, route.row_tok, R, cache), route, u)
         del cache
-        if lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None:
+        if has_gate_up(lora):
             delta = lora_forward(xf, route.row_tok, route.offsets, lora.gate_up_a, lora.gate_up_b,
                                  float(lora.gate_up_scale))
             g.add_(delta[:, :I])
@@ -357,7 +352,7 @@ class LlamafileBackend(ExpertBackendBase):
         h = self._act_mul(packed.activation, g, u)
         out = torch.empty(R, H, dtype=torch.float32)
         self._matmul(packed.down, self._acts(packed.down, h, None, R), route, out)
-        if lora is not None and lora.down_a is not None and lora.down_b is not None:
+        if has_down(lora):
             out.add_(lora_forward(h, None, route.offsets, lora.down_a, lora.down_b, float(lora.down_scale)))
         # y[t] = sum_k w * out over the token's K slots, in C++: torch's scatters (index_add_, index_put) run an
         # OpenMP team that keeps spinning on the cores afterwards and slows the kernels' pool on few cores
@@ -408,7 +403,7 @@ class LlamafileBackend(ExpertBackendBase):
         go = gy * route.w_row.unsqueeze(1)  # gradient of each expert's output
         gh = torch.zeros(R, I, dtype=torch.float32)
         self._matmul_t(packed.down, go, route, gh)
-        if lora is not None and lora.down_a is not None and lora.down_b is not None:
+        if has_down(lora):
             gx_lora, grads.down_a, grads.down_b = lora_backward(ctx.h, None, go, route.offsets, lora.down_a,
                                                                 lora.down_b, float(lora.down_scale))
             gh.add_(gx_lora)
@@ -420,7 +415,7 @@ class LlamafileBackend(ExpertBackendBase):
         gx = torch.zeros(R, H, dtype=torch.float32)
         self._matmul_t(packed.gate, dg, route, gx)
         self._matmul_t(packed.up, du, route, gx)
-        if lora is not None and lora.gate_up_a is not None and lora.gate_up_b is not None:
+        if has_gate_up(lora):
             gx_lora, grads.gate_up_a, grads.gate_up_b = lora_backward(
                 ctx.x, route.row_tok, torch.cat([dg, du], dim=1), route.offsets, lora.gate_up_a, lora.gate_up_b,
                 float(lora.gate_up_scale))
