@@ -147,12 +147,14 @@ class _Acts:
             self.ptrs = (0, 0, 0, self.xf.data_ptr())
 
 
-def _route_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> tuple:
-    """The routing as the C++ side reads it (ids int64 and weights fp32, flat) and the arrays its routing
-    fills: offsets [E+1], order [T*K], row_tok [T*K], w_row [T*K]."""
+def _route_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int, with_outputs: bool = True) -> tuple:
+    """The routing as the C++ side reads it (ids int64 and weights fp32, flat) and, with_outputs, the arrays its
+    routing fills: offsets [E+1], order [T*K], row_tok [T*K], w_row [T*K]."""
     n = topk_ids.numel()
-    return (topk_ids.reshape(-1).to(torch.int64).contiguous(), topk_weights.reshape(-1).to(torch.float32).contiguous(),
-            torch.empty(E + 1, dtype=torch.int64), torch.empty(n, dtype=torch.int64),
+    inputs = (topk_ids.reshape(-1).to(torch.int64).contiguous(), topk_weights.reshape(-1).to(torch.float32).contiguous())
+    if not with_outputs:
+        return inputs
+    return (*inputs, torch.empty(E + 1, dtype=torch.int64), torch.empty(n, dtype=torch.int64),
             torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.float32))
 
 
@@ -363,21 +365,22 @@ class LlamafileBackend(ExpertBackendBase):
         return y.to(x.dtype), ctx
 
     def _forward_fused(self, packed: LlamafilePacked, x, xf, topk_ids, topk_weights, save: bool):
-        """Engine.forward16: the same results as the phased forward, in one C++ call with two pool dispatches."""
+        """Engine.forward16: the same results as the phased forward, in one C++ call (one pool dispatch)."""
         T, K = topk_ids.shape
         E, H, I = packed.num_experts, packed.hidden, packed.inter
-        ids, wts, offsets, order, row_tok, w_row = _route_arrays(topk_ids, topk_weights, E)
+        ids, wts, *route_arrays = _route_arrays(topk_ids, topk_weights, E, with_outputs=save)
         y = torch.empty(T, H, dtype=torch.float32)
         saved = [hugepages.empty((T * K, n), torch.float32) for n in (I, I, I, H)] if save else []
+        # without save, the routing and the intermediates stay in the engine's own buffers (addresses 0)
         R = self._engine.forward16(packed.native_layer, xf.data_ptr(), xf.stride(0), T, K, ids.data_ptr(),
-                                   wts.data_ptr(), offsets.data_ptr(), order.data_ptr(), row_tok.data_ptr(),
-                                   w_row.data_ptr(), y.data_ptr(), y.stride(0), *[t.data_ptr() for t in saved] or
-                                   [0, 0, 0, 0])
+                                   wts.data_ptr(), *[t.data_ptr() for t in route_arrays] or [0] * 4, y.data_ptr(),
+                                   y.stride(0), *[t.data_ptr() for t in saved] or [0] * 4)
         ctx = None
         if save:
+            offsets, order, row_tok, w_row = route_arrays
             g, u, h, out = (t[:R] for t in saved)
-            route = _Route(T, K, R, offsets, row_tok[:R], order[:R], w_row[:R])
-            ctx = _Saved(xf, route, g, u, h, out, topk_weights.dtype)
+            ctx = _Saved(xf, _Route(T, K, R, offsets, row_tok[:R], order[:R], w_row[:R]), g, u, h, out,
+                         topk_weights.dtype)
         return y.to(x.dtype), ctx
 
     def _act_mul(self, activation: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

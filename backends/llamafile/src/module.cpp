@@ -125,10 +125,13 @@ struct Acts16Buffer {
 // forward16's working buffers
 struct Fwd16 {
   Acts16Buffer xg, xu, hq;
-  std::vector<float> g, u, h, out;
-  static float* grow(std::vector<float>& v, int64_t n) {
+  std::vector<float> g, u, h, out, w_row;
+  std::vector<int64_t> offsets, order;
+  std::vector<int32_t> row_tok;
+  template <class V>
+  static uintptr_t grow(V& v, int64_t n) {
     if ((int64_t)v.size() < n) v.resize(n);
-    return v.data();
+    return reinterpret_cast<uintptr_t>(v.data());
   }
 };
 
@@ -207,20 +210,27 @@ class Engine {
   }
 
   // The whole forward of a layer without expert LoRA, SiLU and q16 activations, in one call (decode pays for
-  // each pool dispatch and each Python-to-C++ call): route, quantise the routed rows of x, then one dispatch
-  // of (expert, 32 rows of I) tasks that run gate and up and, in their epilogue, h = silu(g) * u and h's
-  // quantisation (32 columns = one whole activation block), then one dispatch for down, then the combine.
+  // each pool dispatch and each Python-to-C++ call): route, quantise the routed rows of x, then one pool
+  // dispatch in two phases: (expert, 32 rows of I) tasks that run gate and up and, in their epilogue,
+  // h = silu(g) * u and h's quantisation (32 columns = one whole activation block); a barrier; (expert, 16 rows
+  // of H) tasks for down. Then the combine.
   // Results are bit for bit those of the phased calls (route, quantize_act16, matmul16, silu_mul, combine).
-  // The route arrays (offsets [E+1], order / row_tok / w_row [T*K]) and y [T, H] are written; g, u, h (fp32
+  // y [T, H] is written; the route arrays (offsets [E+1], order / row_tok / w_row [T*K]), g, u, h (fp32
   // [T*K, I]) and out ([T*K, H], before the routing weights) only when their address is not 0 (training saves
-  // them for backward). Returns R, the number of routed rows.
+  // them for backward; offsets 0 means none of the route arrays). Returns R, the number of routed rows.
   int64_t forward16(const Layer& L, uintptr_t x, int64_t ldx, int64_t T, int K, uintptr_t ids, uintptr_t weights,
                     uintptr_t offsets, uintptr_t order, uintptr_t row_tok, uintptr_t w_row, uintptr_t y, int64_t ldy,
                     uintptr_t g_save, uintptr_t u_save, uintptr_t h_save, uintptr_t out_save) {
     const int E = L.E, H = L.H, I = L.I;
+    Fwd16& f = fwd_;
+    if (!offsets) {  // inference: the routing stays in the engine's buffers
+      offsets = f.grow(f.offsets, E + 1);
+      order = f.grow(f.order, T * K);
+      row_tok = f.grow(f.row_tok, T * K);
+      w_row = f.grow(f.w_row, T * K);
+    }
     const int64_t R = route(ids, weights, T * K, K, E, offsets, order, row_tok, w_row);
     const int64_t* off = P<int64_t>(offsets);
-    Fwd16& f = fwd_;
     f.xg.resize(R, L.gate.kp);
     quantize_act16(x, ldx, row_tok, R, H, L.gate.kp, f.xg.q_addr(), f.xg.d_addr(), f.xg.m_addr());
     const Acts16* xu = &f.xg.acts;
@@ -229,22 +239,25 @@ class Engine {
       quantize_act16(x, ldx, row_tok, R, H, L.up.kp, f.xu.q_addr(), f.xu.d_addr(), f.xu.m_addr());
       xu = &f.xu.acts;
     }
-    float* g = g_save ? P<float>(g_save) : f.grow(f.g, R * I);
-    float* u = u_save ? P<float>(u_save) : f.grow(f.u, R * I);
-    float* h = h_save ? P<float>(h_save) : f.grow(f.h, R * I);
-    float* out = out_save ? P<float>(out_save) : f.grow(f.out, R * H);
+    float* g = P<float>(g_save ? g_save : f.grow(f.g, R * I));
+    float* u = P<float>(u_save ? u_save : f.grow(f.u, R * I));
+    float* h = P<float>(h_save ? h_save : f.grow(f.h, R * I));
+    float* out = P<float>(out_save ? out_save : f.grow(f.out, R * H));
     f.hq.resize(R, L.down.kp);
     f.hq.zero_columns_from((I + 31) / 32 * 32);  // down's padding columns (and scale chunks) past I
     const Acts16& hq = f.hq.acts;
     const std::vector<int> experts = busy_experts(off, E);
-    const int tile = 32;
-    int64_t tiles = (I + tile - 1) / tile, njobs = (int64_t)experts.size() * tiles;
-    pool_.parallel_for(njobs, [&](int64_t b, int64_t end, int tid) {
-      for (int64_t job = b; job < end; ++job) {
-        const int e = experts[job / tiles];
-        const int n0 = (int)(job % tiles) * tile, n1 = std::min(I, n0 + tile);
+    // phase 1: (expert, 32 rows of I) tasks; phase 2: (expert, 16 rows of H) tasks
+    const int64_t tiles1 = (I + 31) / 32, tiles2 = (H + 15) / 16;
+    const int64_t njobs1 = (int64_t)experts.size() * tiles1, njobs2 = (int64_t)experts.size() * tiles2;
+    const int nth = pool_.num_threads();
+    ktcore::WorkSplit gate_up(njobs1, nth), down(njobs2, nth);
+    pool_.run_each([&](int tid) {
+      gate_up.run(tid, 1, true, [&](int64_t job, int64_t) {
+        const int e = experts[job / tiles1];
+        const int n0 = (int)(job % tiles1) * 32, n1 = std::min(I, n0 + 32);
         const int64_t r0 = off[e], nt = off[e + 1] - r0;
-        if (job + 1 < njobs) prefetch_task(L.gate, off, experts[(job + 1) / tiles], (job + 1) % tiles * tile, e);
+        if (job + 1 < njobs1) prefetch_task(L.gate, off, experts[(job + 1) / tiles1], (job + 1) % tiles1 * 32, e);
         project16(L.gate, e, n0, n1, r0, nt, f.xg.acts, g, I, scratch_[tid]);
         project16(L.up, e, n0, n1, r0, nt, *xu, u, I, scratch_[tid]);
         for (int64_t r = r0; r < r0 + nt; ++r) {
@@ -253,17 +266,14 @@ class Engine {
           k_.quant16(h + r * I + n0, n1 - n0, 32, 1, hq.q + r * hq.kp + n0, hq.d + r * hq.nc8 + c,
                      hq.m + r * hq.nc8 + c);
         }
-      }
-    });
-    tiles = (H + 15) / 16;
-    njobs = (int64_t)experts.size() * tiles;
-    pool_.parallel_for(njobs, [&](int64_t b, int64_t end, int tid) {
-      for (int64_t job = b; job < end; ++job) {
-        const int e = experts[job / tiles];
-        const int n0 = (int)(job % tiles) * 16;
-        if (job + 1 < njobs) prefetch_task(L.down, off, experts[(job + 1) / tiles], (job + 1) % tiles * 16, e);
+      });
+      pool_.barrier();  // down reads every row of h
+      down.run(tid, 1, true, [&](int64_t job, int64_t) {
+        const int e = experts[job / tiles2];
+        const int n0 = (int)(job % tiles2) * 16;
+        if (job + 1 < njobs2) prefetch_task(L.down, off, experts[(job + 1) / tiles2], (job + 1) % tiles2 * 16, e);
         project16(L.down, e, n0, std::min(H, n0 + 16), off[e], off[e + 1] - off[e], hq, out, H, scratch_[tid]);
-      }
+      });
     });
     combine(reinterpret_cast<uintptr_t>(out), H, w_row, order, R, T, K, H, y, ldy);
     return R;
