@@ -1,6 +1,6 @@
 // The per-ISA kernel table: one instance per instruction set (scalar, AVX2, AVX-512 VNNI), chosen once at
 // run time in module.cpp (select_kernels). All three produce bit-identical results: the vector paths and the
-// scalar path do the same integer sums in the same 8 lanes and the same float operations in the same order.
+// scalar path do the same integer sums in the same lanes and the same float operations in the same order.
 #pragma once
 
 #include <cstdint>
@@ -39,9 +39,10 @@ struct Kernels {
   void (*expand16)(int qtype, const uint8_t* row, int nb, int nc8, const Row16& out, int8_t* tmp);
   // out[r * ldo_r + t * ldo_t] = dot of expanded row r < nr (nr <= 4) with int16 activation row t < nt
   // (xq rows of ldq elements; xd, xm rows of lds floats, zero-padded to nc8 chunks). split: dlo != dhi.
-  // Per (r, t) and lane l the same float operations in the same order on every ISA: per chunk
-  // acc = fma(float(p), dlo * xd, acc) (split: two fmas, dlo then dhi), after each 8th chunk (and the last)
-  // acc = fma(mn, xm, acc) over the 8 chunks' lanes when has_min, and out = hsum(acc).
+  // Per (r, t) 16 float lanes, with the same float operations in the same order on every ISA: lane j of a
+  // chunk holds the exact int32 p = w[2j] x[2j] + w[2j+1] x[2j+1], and per chunk acc = fma(float(p), s, acc)
+  // with s = dlo * xd on lanes 0..7 and dhi * xd on lanes 8..15; after each 8th chunk (and the last) lanes
+  // 0..7 take acc = fma(mn, xm, acc) of those 8 chunks when has_min; out = hsum of lanes j + (j + 8), j < 8.
   void (*dot16)(const Row16* rows, int nr, bool split, bool has_min, int nc, int nt, const int16_t* xq,
                 int64_t ldq, const float* xd, const float* xm, int64_t lds, float* out, int64_t ldo_t,
                 int64_t ldo_r);
