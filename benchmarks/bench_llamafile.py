@@ -4,13 +4,15 @@ Experts are random GGUF blocks (valid small fp16 scales) packed zero-copy with `
 numbers measure the kernels, not a quantiser. Reports:
 
 * decode T=1..4: time per forward and effective read rate = bytes of the touched experts' blocks / time, as a
-  percentage of ``ktcore.doctor.measure_read_bandwidth()`` (the number ``ktcore doctor`` prints);
+  percentage of ``ktcore.doctor.measure_read_bandwidth()`` (the number ``ktcore doctor`` prints). On a shared
+  machine both swing from moment to moment, so the bandwidth is the median of three measurements and each decode
+  row the median of ``--rounds`` rounds of ``--iters`` calls (fresh routing every call);
 * prefill T=512: forward time vs. "dequantise the touched experts (ktcore_llamafile's C++ dequantiser) and
   call torch's matmul" per call, and vs. amx_bf16 on bf16 weights when that backend can run here.
 
 No assertions on timings.  Usage:
-    python benchmarks/bench_llamafile.py [--formats q4_k,q8_0] [--threads N] [--iters 20] [--prefill-iters 2]
-        [--activations q16|q8] [--tokens 1,2,3,4,512]
+    python benchmarks/bench_llamafile.py [--formats q4_k,q8_0] [--threads N] [--iters 20] [--rounds 5]
+        [--prefill-iters 2] [--activations q16|q8] [--tokens 1,2,3,4,512]
 
 ``--tokens`` picks the table's rows: T <= 64 are decode rows (bandwidth), larger T prefill rows (vs. the baseline).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -82,6 +85,7 @@ def main():
     ap.add_argument("--formats", default="q4_k,q8_0")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5, help="decode rows: the median of this many rounds of --iters calls")
     ap.add_argument("--prefill-iters", type=int, default=2)
     ap.add_argument("--activations", default="q16", choices=("q16", "q8x2", "q8"),
                     help="the backend's activation quantisation (q16: int16, the default; q8x2: its former name; "
@@ -95,7 +99,7 @@ def main():
     from ktcore.doctor import measure_read_bandwidth
     from ktcore_llamafile.backend import LlamafileBackend
 
-    bw = measure_read_bandwidth()
+    bw = statistics.median(measure_read_bandwidth() for _ in range(3))
     backend = LlamafileBackend({"kt_num_threads": args.threads}, activations=args.activations)
     print(f"DeepSeek-V2-Lite layer E={E} K={K} H={H} I={I}; {args.threads} threads; isa={backend.isa}; "
           f"activations={backend.activations}; "
@@ -111,13 +115,17 @@ def main():
             if T > 64:
                 continue
             calls = [(torch.randn(T, H, generator=gen), *routing(T, gen)) for _ in range(args.iters)]
-            t_all, nbytes = 0.0, 0
+            nbytes = sum(touched_bytes(packed, ids) for _, ids, _ in calls)
             backend.forward(packed, *calls[0])
-            for x, ids, w in calls:  # fresh routing each call: the touched experts come from DRAM
-                t0 = time.perf_counter()
-                backend.forward(packed, x, ids, w)
-                t_all += time.perf_counter() - t0
-                nbytes += touched_bytes(packed, ids)
+            rounds = []
+            for _ in range(args.rounds):
+                t_all = 0.0
+                for x, ids, w in calls:  # fresh routing each call: the touched experts come from DRAM
+                    t0 = time.perf_counter()
+                    backend.forward(packed, x, ids, w)
+                    t_all += time.perf_counter() - t0
+                rounds.append(t_all)
+            t_all = statistics.median(rounds)
             rate = nbytes / t_all / 1e9
             print(f"{fmt:7} {T:>4} {1e3 * t_all / len(calls):>9.3f} {nbytes / len(calls) / 1e6:>8.1f} "
                   f"{rate:>7.2f} {100 * rate / bw:>7.1f}% {'':>12} {'':>9}")
