@@ -408,7 +408,7 @@ class Engine {
 
   // out[r, n] (ldo) for the nt rows r0.. of expert e and weight rows n0 <= n < n1. Experts with at most 3 rows
   // (decode) are dotted straight from the blocks; more rows expand 4 weight rows at a time to int16 (L1-resident)
-  // and run them against the rows, 64 at a time, in 4-row x 2-token register tiles.
+  // and run them against the rows, 64 at a time, in register tiles (4 rows x 2 tokens on AVX-512, 4 x 1 on AVX2).
   void project16(const Proj& p, int e, int n0, int n1, int64_t r0, int64_t nt, const Acts16& a, float* out,
                  int64_t ldo, Scratch& s) {
     const int RT = 4, TB = 64;
