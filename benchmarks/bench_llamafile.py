@@ -85,7 +85,8 @@ def main():
     ap.add_argument("--formats", default="q4_k,q8_0")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=5, help="decode rows: the median of this many rounds of --iters calls")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="decode rows: the median of this many rounds of --iters calls")
     ap.add_argument("--prefill-iters", type=int, default=2)
     ap.add_argument("--activations", default="q16", choices=("q16", "q8x2", "q8"),
                     help="the backend's activation quantisation (q16: int16, the default; q8x2: its former name; "

@@ -151,7 +151,8 @@ def _route_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int, wi
     """The routing as the C++ side reads it (ids int64 and weights fp32, flat) and, with_outputs, the arrays its
     routing fills: offsets [E+1], order [T*K], row_tok [T*K], w_row [T*K]."""
     n = topk_ids.numel()
-    inputs = (topk_ids.reshape(-1).to(torch.int64).contiguous(), topk_weights.reshape(-1).to(torch.float32).contiguous())
+    inputs = (topk_ids.reshape(-1).to(torch.int64).contiguous(),
+              topk_weights.reshape(-1).to(torch.float32).contiguous())
     if not with_outputs:
         return inputs
     return (*inputs, torch.empty(E + 1, dtype=torch.int64), torch.empty(n, dtype=torch.int64),
@@ -170,9 +171,9 @@ class LlamafileBackend(ExpertBackendBase):
     ``activations`` (or ``KTCORE_LLAMAFILE_ACT``): how activations meet quantised weight blocks.
     ``q16`` (default; ``q8x2`` is accepted as its former name): int16 per 32-element block, d = amax / 32767
     (error <= amax / 65534, as fine as the former two int8 planes x and residual); weight rows are expanded
-    to int16 in L1 and dotted with vpmaddwd in register tiles of 4 rows x 2 tokens (4 x 1 on AVX2; experts with at most 3
-    tokens: Q8_0/Q4_0/Q4_1/Q4_K rows dotted straight from the blocks); logits match the dequantised fp32
-    model far inside bf16 tolerance. ``q8``: one int8 plane, exactly ggml's Q8_0/Q8_1
+    to int16 in L1 and dotted with vpmaddwd in register tiles of 4 rows x 2 tokens (4 x 1 on AVX2; experts
+    with at most 3 tokens: Q8_0/Q4_0/Q4_1/Q4_K rows dotted straight from the blocks); logits match the
+    dequantised fp32 model far inside bf16 tolerance. ``q8``: one int8 plane, exactly ggml's Q8_0/Q8_1
     activations (about 1.2% relative error per SmolLM2 MLP: 3.1% on its logits over 30 layers, more than the
     bf16 model's 2.3%), dotted by the older int8 row kernels (1 row x 4 tokens: slower than q16 at prefill).
     """
