@@ -337,7 +337,8 @@ class LlamafileBackend(ExpertBackendBase):
             raise ValueError(f"x must be [T, {packed.hidden}], got {tuple(x.shape)}")
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         xf = x.detach().to(torch.float32).contiguous()
-        if not (has_gate_up(lora) or has_down(lora)) and packed.activation == "silu" and self._bits == 16 and packed.native_layer:
+        one_call = packed.activation == "silu" and self._bits == 16 and packed.native_layer is not None
+        if one_call and not (has_gate_up(lora) or has_down(lora)):
             return self._forward_fused(packed, x, xf, topk_ids, topk_weights, save)
         route = self._route(topk_ids, topk_weights, E)
         R = route.R

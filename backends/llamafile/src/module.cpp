@@ -288,8 +288,7 @@ class Engine {
     const int64_t* off = P<int64_t>(offsets);
     const int tile = 16;
     const int64_t tiles = (N + tile - 1) / tile;
-    std::vector<int> experts;
-    for (int e = 0; e < E; ++e) if (off[e + 1] > off[e]) experts.push_back(e);
+    const std::vector<int> experts = busy_experts(off, E);
     pool_.parallel_for((int64_t)experts.size() * tiles, [&](int64_t b, int64_t end, int tid) {
       Scratch& s = scratch_[tid];
       s.need(kp);
@@ -378,8 +377,7 @@ class Engine {
     const int nblocks = (k + ti.block_elems - 1) / ti.block_elems;
     const int per = std::max(1, 256 / ti.block_elems);  // blocks per task (256 columns)
     const int64_t chunks = (nblocks + per - 1) / per;
-    std::vector<int> experts;
-    for (int e = 0; e < E; ++e) if (off[e + 1] > off[e]) experts.push_back(e);
+    const std::vector<int> experts = busy_experts(off, E);
     pool_.parallel_for((int64_t)experts.size() * chunks, [&](int64_t b, int64_t end, int) {
       float buf[256];
       for (int64_t job = b; job < end; ++job) {
