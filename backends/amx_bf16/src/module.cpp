@@ -91,21 +91,23 @@ constexpr int64_t kBwdTaskRows = 1024;
 // stream (a page's worth at G = 4). Fewer when a pool would get under kTasksPerThread tasks per thread (decode).
 constexpr int64_t kBwdGroup = 4;
 constexpr int64_t kTasksPerThread = 4;
-// A task transposes and multiplies kChunkSteps steps (stream pairs) at a time, prefetching the next chunk's
-// pieces into L2 while this chunk's tile products run (see transpose_and_multiply).
+// A task transposes and multiplies kChunkSteps steps (stream pairs) at a time; while it transposes step i, the
+// pieces of step i + kPrefetchSteps are fetched into L1 (see transpose_and_multiply).
 constexpr int64_t kChunkSteps = 8;
+constexpr int64_t kPrefetchSteps = 2;
 
-inline void prefetch_blocks_l2(const uint16_t* b, int64_t n) {
-  for (int64_t l = 0; l < n * kBlockElems * 2; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(b) + l, 0, 2);
+inline void prefetch_blocks_l1(const uint16_t* b, int64_t n) {
+  for (int64_t l = 0; l < n * kBlockElems * 2; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(b) + l, 0, 3);
 }
 
 // The loop of a backward task over its steps: step i transposes the n-block pieces piece(i, 0) and piece(i, 1)
 // into the task's scratch (transpose(i)); gemm(i0, i1, acc) multiplies the rows by the transposed steps
 // [i0, i1), adding to the partial sums when acc. The products run in chunks of kChunkSteps that end at `split`
-// too (the gate/up boundary of bwd_gate_up), and, while the rows' first pass (`transposing`) transposes a
-// chunk, the next chunk's pieces are already on their way to L2: a thread's DRAM reads then overlap its tile
-// products instead of taking turns with them (memory-bound backward, about 32 rows per expert: reading a
-// task's pieces and its products take similar times). Later passes (more rows) find the scratch complete.
+// too (the gate/up boundary of bwd_gate_up). Only the rows' first pass (`transposing`) transposes; later passes
+// (more rows) find the scratch complete. Prefetch: a few pieces ahead, one step's worth per step. A burst of the
+// next chunk's 64 KiB into L2 before transposing this one (an earlier schedule) held up the transposes behind
+// the misses it queued: in benchmarks/amx_bwd_variants.cpp the memory-bound backward's gate/up took 2.3-2.4x a
+// streaming read of its weights that way, 1.7-2.0x this way, and 0.9-1.0x to read the same pieces alone.
 template <class Piece, class Transpose, class Gemm>
 inline void transpose_and_multiply(int64_t steps, int64_t split, int64_t n, bool transposing, const Piece& piece,
                                    const Transpose& transpose, const Gemm& gemm) {
@@ -114,19 +116,20 @@ inline void transpose_and_multiply(int64_t steps, int64_t split, int64_t n, bool
     const int64_t e = std::min(steps, i0 + chunk);
     return i0 < split && e > split ? split : e;
   };
-  auto prefetch = [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      prefetch_blocks_l2(piece(i, 0), n);
-      prefetch_blocks_l2(piece(i, 1), n);
-    }
+  auto prefetch = [&](int64_t i) {
+    if (i >= steps) return;
+    prefetch_blocks_l1(piece(i, 0), n);
+    prefetch_blocks_l1(piece(i, 1), n);
   };
-  if (transposing) prefetch(0, chunk_end(0));
+  if (transposing)
+    for (int64_t i = 0; i < kPrefetchSteps; ++i) prefetch(i);
   for (int64_t i0 = 0; i0 < steps;) {
     const int64_t i1 = chunk_end(i0);
-    if (transposing) {
-      if (i1 < steps) prefetch(i1, chunk_end(i1));
-      for (int64_t i = i0; i < i1; ++i) transpose(i);
-    }
+    if (transposing)
+      for (int64_t i = i0; i < i1; ++i) {
+        prefetch(i + kPrefetchSteps);
+        transpose(i);
+      }
     gemm(i0, i1, i0 > 0);
     i0 = i1;
   }
