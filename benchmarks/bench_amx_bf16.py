@@ -1,13 +1,14 @@
 """amx_bf16 kernel benchmarks (plain script; prints a markdown table, no timed asserts).
 
-    python benchmarks/bench_amx_bf16.py [--quick] [--out results.md]
+    python benchmarks/bench_amx_bf16.py [--quick] [--rounds N] [--out results.md]
 
 Measures in one run: DRAM read bandwidth (AVX-512 streaming read in the extension, and torch.sum over a
 2 GiB tensor), the AMX BF16 tile-only peak, torch's bf16 matmul, then
   * memory-bound layer  E=128 K=8 H=2048 I=768  T=512   (1.2 GB of bf16 weights) vs one read of the weights
   * compute-bound layer E=8   K=2 H=2048 I=1408 T=4096  GFLOP/s vs AMX peak and vs torch bf16 matmul
   * DeepSeek-V2-Lite    E=64  K=6 H=2048 I=1408 T=1,16,512,4096 forward and forward+backward vs the torch backend
-No expert LoRA in these runs.
+No expert LoRA in these runs. The bandwidth is the median of three readings; every layer figure is the median of
+--rounds rounds, the two backends taking turns within a round (a shared VM drifts from minute to minute).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def timeit(fn, min_time=1.0, min_reps=3, max_reps=50, warmup=1):
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def rounds(n, *measures):
+    """Median of n rounds of each measure, the measures taking turns within a round."""
+    runs = [[m() for m in measures] for _ in range(max(1, n))]
+    return [statistics.median(r[i] for r in runs) for i in range(len(measures))]
 
 
 def make_layer(E, H, I, seed=0):
@@ -68,6 +75,7 @@ def run_fwd_bwd(backend, packed, x, ids, w, gy):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="shorter timing loops")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per layer figure (median)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--skip-torch-backend", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also print per-phase times of forward+backward")
@@ -97,7 +105,7 @@ def main():
                 cpu = line.split(":", 1)[1].strip()
                 break
     out(f"machine: {cpu}, {threads} threads (amx_bf16 pool {amx.num_threads}), torch {torch.__version__}")
-    bw = _ext.measure_read_bandwidth(2 << 30)
+    bw = statistics.median(_ext.measure_read_bandwidth(2 << 30) for _ in range(3))
     big = torch.ones((2 << 30) // 4, dtype=torch.float32)
     t_sum = timeit(lambda: big.sum(), min_time=min_time)
     bw_torch = big.nbytes / t_sum / 1e9
@@ -114,10 +122,10 @@ def main():
     x, ids, w, gy = make_inputs(E, K, H, T)
     nbytes = packed.gate.nbytes + packed.up.nbytes + packed.down.nbytes
     t_read = nbytes / (bw * 1e9)
-    tf = timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time)
-    tfb = timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)
     tpk = tb.pack(wts)
-    ttf = timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time)
+    tf, tfb, ttf = rounds(args.rounds, lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
+                          lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time),
+                          lambda: timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time))
     out(f"### memory-bound E={E} K={K} H={H} I={I} T={T} ({nbytes / 1e9:.2f} GB bf16 weights)")
     out()
     out("| what | time ms | vs one weight read | target |")
@@ -137,8 +145,6 @@ def main():
     packed = amx.pack(wts)
     x, ids, w, gy = make_inputs(E, K, H, T)
     flops = 2.0 * T * K * H * 3 * I
-    tf = timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time)
-    tfb = timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)
     a = torch.randn(T * K, H, dtype=torch.bfloat16)
     w1 = torch.randn(H, 2 * I, dtype=torch.bfloat16)
     w2 = torch.randn(I, H, dtype=torch.bfloat16)
@@ -147,7 +153,9 @@ def main():
         hh = a @ w1
         return hh[:, :I] @ w2
 
-    t_dense = timeit(dense, min_time=min_time)
+    tf, tfb, t_dense = rounds(args.rounds, lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
+                              lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time),
+                              lambda: timeit(dense, min_time=min_time))
     out(f"### compute-bound E={E} K={K} H={H} I={I} T={T} ({flops / 1e9:.0f} GFLOP per forward)")
     out()
     out("| what | time ms | GFLOP/s | vs AMX peak | target |")
@@ -173,13 +181,15 @@ def main():
     out("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for T in (1, 16, 512, 4096):
         x, ids, w, gy = make_inputs(E, K, H, T)
-        af = timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time)
-        afb = timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)
+        amx_fns = [lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
+                   lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)]
         if args.skip_torch_backend:
+            af, afb = rounds(args.rounds, *amx_fns)
             out(f"| {T} | {af * 1e3:.2f} | | | {afb * 1e3:.2f} | | |")
             continue
-        tf_ = timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time, min_reps=2)
-        tfb_ = timeit(run_fwd_bwd(tb, tpk, x, ids, w, gy), min_time=min_time, min_reps=2)
+        af, afb, tf_, tfb_ = rounds(
+            args.rounds, *amx_fns, lambda: timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time, min_reps=2),
+            lambda: timeit(run_fwd_bwd(tb, tpk, x, ids, w, gy), min_time=min_time, min_reps=2))
         out(f"| {T} | {af * 1e3:.2f} | {tf_ * 1e3:.2f} | {tf_ / af:.1f}x | {afb * 1e3:.2f} | {tfb_ * 1e3:.2f} | "
             f"{tfb_ / afb:.1f}x |")
     out()
