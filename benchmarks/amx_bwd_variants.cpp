@@ -24,21 +24,10 @@
 #include <functional>
 #include <vector>
 
-// the backend's kernels (transpose_pair) compiled into this file
+// the backend's kernels (transpose_pair, the tile configuration) compiled into this file
 #include "kernels_amx.cpp"
+using ktamx::amxk::ensure_tile_config;
 using ktamx::amxk::transpose_pair;
-
-struct alignas(64) Cfg {
-  uint8_t palette = 1, start = 0, res[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static Cfg make_cfg() {
-  Cfg c;
-  for (int i = 0; i < 8; ++i) { c.rows[i] = 16; c.colsb[i] = 64; }
-  return c;
-}
-static const Cfg kCfg = make_cfg();
 
 constexpr int64_t KBLK = 512;  // 16 x 32 bf16 = 1 KiB
 constexpr int64_t H = 2048, I = 768, KB = H / 32, NB = I / 16, NQ = I / 32, G = 4, STEPS = 2 * NQ;
@@ -224,7 +213,7 @@ static double time_parallel(int64_t ntasks, const std::function<void(int64_t, ui
   double t0 = 0, t1 = 0;
 #pragma omp parallel
   {
-    _tile_loadconfig(&kCfg);
+    ensure_tile_config();
     std::vector<uint16_t> s(4 * G * NQ * KBLK + 64);
     std::vector<float> C(G * 1024 + 16);
     uint16_t* sp = s.data() + (32 - (reinterpret_cast<uintptr_t>(s.data()) / 2) % 32) % 32;
@@ -314,6 +303,11 @@ int main(int argc, char** argv) {
       {"streams, read only, no prefetch", false, Pf::none, 0, 0},
       {"grouped, read only, no prefetch", true, Pf::none, 0, 0},
   };
+  auto checksum = [&]() {  // a sample of the last variant's outputs, to compare variants
+    double sum = 0;
+    for (int64_t x = 0; x < E * M * H; x += 997) sum += out[x];
+    return sum;
+  };
   const int nv = sizeof(variants) / sizeof(variants[0]);
   std::vector<std::vector<double>> tv(nv + 3);
   std::vector<double> sums(nv, 0);
@@ -330,11 +324,7 @@ int main(int argc, char** argv) {
         const __m512i x = bwd_task(b, v, t / (KB / G), t % (KB / G), s, C);
         if (_mm512_reduce_add_epi64(x) == 42) std::puts("");  // keeps the read-only loads
       }));
-      if (v.work == 1 && r == 0) {
-        double sum = 0;
-        for (int64_t x = 0; x < E * M * H; x += 997) sum += out[x];
-        sums[i] = sum;
-      }
+      if (v.work == 1 && r == 0) sums[i] = checksum();
     }
   }
   struct Direct { const char* name; int pf; int64_t kbt; };
@@ -353,11 +343,7 @@ int main(int argc, char** argv) {
         const int64_t k0 = (t % per) * d.kbt;
         direct_task(plain, d.pf, t / per, k0, k0 + d.kbt, s, C);
       }));
-      if (r == 0) {
-        double sum = 0;
-        for (int64_t x = 0; x < E * M * H; x += 997) sum += out[x];
-        dsum[i] = sum;
-      }
+      if (r == 0) dsum[i] = checksum();
     }
   const double bytes = 2.0 * wbytes, tr = median(tv[0]);
   std::printf("%-36s %9s %9s %8s\n", "case", "ms", "GB/s", "x read");
