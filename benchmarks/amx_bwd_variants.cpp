@@ -2,9 +2,9 @@
 // the memory-bound layer's transposing tasks (read 4 KiB pieces of every stream, transpose them into W^T tiles,
 // multiply) under different prefetch schedules and two packed layouts, next to a plain streaming read of the same
 // bytes and the forward's whole-K loop over them (figures in RESULTS.md). Standalone, needs an AMX CPU:
-//   g++ -O3 -march=sapphirerapids -fopenmp -Ibackends/amx_bf16/src -Iktcore/include \
-//       benchmarks/amx_bwd_variants.cpp -o bv
+//   g++ -O3 -march=sapphirerapids -fopenmp -Ibackends/amx_bf16/src -Iktcore/include benchmarks/amx_bwd_variants.cpp -o bv
 //   OMP_NUM_THREADS=16 OMP_PROC_BIND=close ./bv [experts=128] [reps=7]
+// Exits 1 when a variant's gradient differs from the shipped schedule's.
 // Every expert gets 32 rows (the memory-bound layer: T=512, K=8, E=128).
 // Layouts: "streams" is the backend's (expert, 16-output stream, k-block); "grouped" stores, per group of 4
 // k-blocks, every stream's 4 KiB piece next to the previous stream's, so a backward task reads one contiguous run.
@@ -62,12 +62,15 @@ static inline void gemm32(const uint16_t* a0, int64_t ga, const uint16_t* B0, co
 }
 
 enum class Pf { burst_l2, spread_l2, spread_l1, none };
+// what a task does with its pieces: read every line only, transpose them only, multiply a stale scratch only
+// (the pieces still pass through L1), or transpose and multiply as the backend does
+enum class Work { read, transpose, multiply, both };
 struct Variant {
   const char* name;
   bool grouped;
   Pf pf;
   int dist;        // steps ahead (spread)
-  int work;        // 1: transpose + multiply, 0: only read every line, 2: only transpose, 3: only multiply
+  Work work;
   int chunk = 8;   // steps transposed before they are multiplied
 };
 
@@ -104,12 +107,7 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
     for (int64_t i = i0; i < i1; ++i) {
       if (v.pf == Pf::spread_l2 || v.pf == Pf::spread_l1) pf_step(i + v.dist, hint);
       const uint16_t *fa = piece(i, 0), *fb = piece(i, 1);
-      if (v.work == 0) {
-        for (int64_t l = 0; l < G * KBLK; l += 32)
-          sink = _mm512_add_epi64(sink, _mm512_add_epi64(_mm512_loadu_si512(fa + l), _mm512_loadu_si512(fb + l)));
-        continue;
-      }
-      if (v.work == 3) {  // the pieces still pass through L1
+      if (v.work == Work::read || v.work == Work::multiply) {
         for (int64_t l = 0; l < G * KBLK; l += 32)
           sink = _mm512_add_epi64(sink, _mm512_add_epi64(_mm512_loadu_si512(fa + l), _mm512_loadu_si512(fb + l)));
         continue;
@@ -119,13 +117,13 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
         transpose_pair(fa + j * KBLK, fb + j * KBLK, o, o + 2 * NQ * KBLK);
       }
     }
-    if (v.work == 0 || v.work == 2) continue;
+    if (v.work == Work::read || v.work == Work::transpose) continue;
     for (int64_t j = 0; j < G; ++j) {
       const uint16_t* s0 = s + (4 * j * NQ + i0) * KBLK;
       gemm32(a + i0 * KBLK, STEPS * KBLK, s0, s0 + 2 * NQ * KBLK, i1 - i0, C + j * 1024, i0 > 0);
     }
   }
-  if (v.work == 1 || v.work == 3)
+  if (v.work == Work::both || v.work == Work::multiply)
     for (int64_t j = 0; j < G; ++j)
       for (int64_t r = 0; r < M; ++r)
         std::memcpy(b.out + (e * M + r) * H + (g * G + j) * 32, C + j * 1024 + r * 32, 128);
@@ -284,24 +282,24 @@ int main(int argc, char** argv) {
     });
   };
   const Variant variants[] = {
-      {"streams, burst L2 (shipped)", false, Pf::burst_l2, 0, 1},
-      {"streams, spread L2 d=8", false, Pf::spread_l2, 8, 1},
-      {"streams, spread L2 d=4", false, Pf::spread_l2, 4, 1},
-      {"streams, spread L1 d=2", false, Pf::spread_l1, 2, 1},
-      {"streams, no prefetch", false, Pf::none, 0, 1},
-      {"streams, spread L1 d=1", false, Pf::spread_l1, 1, 1},
-      {"streams, spread L1 d=3", false, Pf::spread_l1, 3, 1},
-      {"streams, spread L1 d=2, chunk 4", false, Pf::spread_l1, 2, 1, 4},
-      {"streams, spread L1 d=2, chunk 16", false, Pf::spread_l1, 2, 1, 16},
-      {"grouped, burst L2", true, Pf::burst_l2, 0, 1},
-      {"grouped, spread L2 d=8", true, Pf::spread_l2, 8, 1},
-      {"grouped, spread L2 d=4", true, Pf::spread_l2, 4, 1},
-      {"grouped, no prefetch", true, Pf::none, 0, 1},
-      {"streams, no prefetch, transpose only", false, Pf::none, 0, 2},
-      {"streams, no prefetch, multiply only", false, Pf::none, 0, 3},
-      {"streams, read only, spread L2 d=8", false, Pf::spread_l2, 8, 0},
-      {"streams, read only, no prefetch", false, Pf::none, 0, 0},
-      {"grouped, read only, no prefetch", true, Pf::none, 0, 0},
+      {"streams, burst L2 (shipped)", false, Pf::burst_l2, 0, Work::both},
+      {"streams, spread L2 d=8", false, Pf::spread_l2, 8, Work::both},
+      {"streams, spread L2 d=4", false, Pf::spread_l2, 4, Work::both},
+      {"streams, spread L1 d=2", false, Pf::spread_l1, 2, Work::both},
+      {"streams, no prefetch", false, Pf::none, 0, Work::both},
+      {"streams, spread L1 d=1", false, Pf::spread_l1, 1, Work::both},
+      {"streams, spread L1 d=3", false, Pf::spread_l1, 3, Work::both},
+      {"streams, spread L1 d=2, chunk 4", false, Pf::spread_l1, 2, Work::both, 4},
+      {"streams, spread L1 d=2, chunk 16", false, Pf::spread_l1, 2, Work::both, 16},
+      {"grouped, burst L2", true, Pf::burst_l2, 0, Work::both},
+      {"grouped, spread L2 d=8", true, Pf::spread_l2, 8, Work::both},
+      {"grouped, spread L2 d=4", true, Pf::spread_l2, 4, Work::both},
+      {"grouped, no prefetch", true, Pf::none, 0, Work::both},
+      {"streams, no prefetch, transpose only", false, Pf::none, 0, Work::transpose},
+      {"streams, no prefetch, multiply only", false, Pf::none, 0, Work::multiply},
+      {"streams, read only, spread L2 d=8", false, Pf::spread_l2, 8, Work::read},
+      {"streams, read only, no prefetch", false, Pf::none, 0, Work::read},
+      {"grouped, read only, no prefetch", true, Pf::none, 0, Work::read},
   };
   auto checksum = [&]() {  // a sample of the last variant's outputs, to compare variants
     double sum = 0;
@@ -324,7 +322,7 @@ int main(int argc, char** argv) {
         const __m512i x = bwd_task(b, v, t / (KB / G), t % (KB / G), s, C);
         if (_mm512_reduce_add_epi64(x) == 42) std::puts("");  // keeps the read-only loads
       }));
-      if (v.work == 1 && r == 0) sums[i] = checksum();
+      if (v.work == Work::both && r == 0) sums[i] = checksum();
     }
   }
   struct Direct { const char* name; int pf; int64_t kbt; };
@@ -355,10 +353,14 @@ int main(int argc, char** argv) {
   row("forward whole-K loop, grouped", median(tv[2]));
   for (int i = 0; i < nv; ++i) row(variants[i].name, median(tv[3 + i]));
   for (int i = 0; i < nd; ++i) row(directs[i].name, median(td[i]));
+  // every schedule must compute the same gradient: bitwise for the transposing ones (same order of sums),
+  // to fp32 rounding for the direct ones
+  int bad = 0;
   for (int i = 0; i < nd; ++i)
     if (std::abs(dsum[i] - sums[0]) > 1e-3 * std::abs(sums[0]))
-      std::printf("MISMATCH: %s checksum %g vs %g\n", directs[i].name, dsum[i], sums[0]);
+      bad += std::printf("MISMATCH: %s checksum %g vs %g\n", directs[i].name, dsum[i], sums[0]) > 0;
   for (int i = 1; i < nv; ++i)
-    if (variants[i].work == 1 && sums[i] != sums[0]) std::printf("MISMATCH: %s checksum %g vs %g\n", variants[i].name, sums[i], sums[0]);
-  return 0;
+    if (variants[i].work == Work::both && sums[i] != sums[0])
+      bad += std::printf("MISMATCH: %s checksum %g vs %g\n", variants[i].name, sums[i], sums[0]) > 0;
+  return bad ? 1 : 0;
 }

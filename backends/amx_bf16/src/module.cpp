@@ -106,7 +106,7 @@ inline void prefetch_blocks_l1(const uint16_t* b, int64_t n) {
 // too (the gate/up boundary of bwd_gate_up). Only the rows' first pass (`transposing`) transposes; later passes
 // (more rows) find the scratch complete. Prefetch: a few pieces ahead, one step's worth per step. A burst of the
 // next chunk's 64 KiB into L2 before transposing this one (an earlier schedule) held up the transposes behind
-// the misses it queued: in benchmarks/amx_bwd_variants.cpp the memory-bound backward's gate/up took 2.3-2.4x a
+// the misses it queued: in benchmarks/amx_bwd_variants.cpp the memory-bound backward's gate/up took 2.3-2.5x a
 // streaming read of its weights that way, 1.7-2.0x this way, and 0.9-1.0x to read the same pieces alone.
 template <class Piece, class Transpose, class Gemm>
 inline void transpose_and_multiply(int64_t steps, int64_t split, int64_t n, bool transposing, const Piece& piece,
