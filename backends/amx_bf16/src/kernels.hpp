@@ -35,6 +35,10 @@ struct KernelTable {
   // From forward blocks fa = (2q, p) and fb = (2q+1, p) of W, build the two blocks of W^T covering
   // W^T rows (= W columns) 32p..32p+15 (out0) and 32p+16..32p+31 (out1) and W^T columns 32q..32q+31.
   void (*transpose_pair)(const uint16_t* fa, const uint16_t* fb, uint16_t* out0, uint16_t* out1);
+  // gemm_block with W^T blocks derived step by step: step k's B0, B1 are transpose_pair(f + k * stride,
+  // f + k * stride + odd), written to `slots` (2 * steps blocks) just before their products. m <= 32.
+  void (*gemm_transposing)(const uint16_t* A, ALayout la, int64_t m, const uint16_t* f, int64_t stride, int64_t odd,
+                           int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots);
   // h[0:n] = bf16(silu(g) * u)
   void (*silu_mul)(const float* g, const float* u, int64_t n, uint16_t* h);
   // backward of h = silu(g) * u for one row: gh = w * gh_raw; returns dot(gh_raw, h).

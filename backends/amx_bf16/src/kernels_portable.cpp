@@ -45,6 +45,13 @@ static void transpose_pair(const uint16_t* fa, const uint16_t* fb, uint16_t* out
   }
 }
 
+static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uint16_t* f, int64_t stride,
+                             int64_t odd, int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots) {
+  for (int64_t k = 0; k < steps; ++k)
+    transpose_pair(f + k * stride, f + k * stride + odd, slots + k * kBlockElems, slots + (steps + k) * kBlockElems);
+  gemm_block(A, la, m, slots, slots + steps * kBlockElems, steps, C, ldc, acc);
+}
+
 static double read_sum(const void* p, int64_t nbytes) {
   const uint64_t* q = static_cast<const uint64_t*>(p);
   uint64_t s = 0;
@@ -54,8 +61,9 @@ static double read_sum(const void* p, int64_t nbytes) {
 
 static double tile_loop(int64_t) { return 0.0; }
 
-static const KernelTable table = {"portable", gemm_block, transpose_pair, ew_silu_mul, ew_silu_mul_bwd,
-                                  ew_row_to_bf16, ew_axpy, ew_store_row, read_sum, tile_loop};
+static const KernelTable table = {"portable", gemm_block, transpose_pair, gemm_transposing,
+                                  ew_silu_mul, ew_silu_mul_bwd, ew_row_to_bf16, ew_axpy,
+                                  ew_store_row, read_sum, tile_loop};
 
 }  // namespace portable
 

@@ -91,31 +91,44 @@ constexpr int64_t kBwdTaskRows = 1024;
 // stream (a page's worth at G = 4). Fewer when a pool would get under kTasksPerThread tasks per thread (decode).
 constexpr int64_t kBwdGroup = 4;
 constexpr int64_t kTasksPerThread = 4;
-// A task transposes and multiplies kChunkSteps steps (stream pairs) at a time; while it transposes step i, the
-// pieces of step i + kPrefetchSteps are fetched into L1 (see transpose_and_multiply).
-constexpr int64_t kChunkSteps = 8;
+// Rows that fit one 32-row group (small batches, the memory-bound layer) run the fused schedule: a task reads
+// kFusedSteps steps' pieces, then for each output unit transposes step after step into two small slots right
+// before their tile products (KernelTable::gemm_transposing), C staying in tiles. More rows transpose a whole
+// part into the task's scratch, prefetching the pieces of step i + kPrefetchSteps into L1 while transposing
+// step i, then multiply every row chunk by it.
+constexpr int64_t kFusedSteps = 8;
 constexpr int64_t kPrefetchSteps = 2;
 
 inline void prefetch_blocks_l1(const uint16_t* b, int64_t n) {
   for (int64_t l = 0; l < n * kBlockElems * 2; l += 64) __builtin_prefetch(reinterpret_cast<const char*>(b) + l, 0, 3);
 }
 
-// The loop of a backward task over its steps: step i transposes the n-block pieces piece(i, 0) and piece(i, 1)
-// into the task's scratch (transpose(i)); gemm(i0, i1, acc) multiplies the rows by the transposed steps
-// [i0, i1), adding to the partial sums when acc. The products run in chunks of kChunkSteps that end at `split`
-// too (the gate/up boundary of bwd_gate_up). Only the rows' first pass (`transposing`) transposes; later passes
-// (more rows) find the scratch complete. Prefetch: a few pieces ahead, one step's worth per step. A burst of the
-// next chunk's 64 KiB into L2 before transposing this one (an earlier schedule) held up the transposes behind
-// the misses it queued: in benchmarks/amx_bwd_variants.cpp the memory-bound backward's gate/up took 2.3-2.5x a
-// streaming read of its weights that way, 1.7-2.0x this way, and 0.9-1.0x to read the same pieces alone.
-template <class Piece, class Transpose, class Gemm>
-inline void transpose_and_multiply(int64_t steps, int64_t split, int64_t n, bool transposing, const Piece& piece,
-                                   const Transpose& transpose, const Gemm& gemm) {
-  const int64_t chunk = transposing ? kChunkSteps : steps;
-  auto chunk_end = [&](int64_t i0) {
-    const int64_t e = std::min(steps, i0 + chunk);
-    return i0 < split && e > split ? split : e;
-  };
+// A backward task's steps: step i's pieces are piece(i, 0) and piece(i, 1), n blocks each (one per output
+// unit); steps [0, split) and [split, steps) are separate parts (gate and up in bwd_gate_up): a run of products
+// never crosses `split`. multiply(i0, i1, acc) covers steps [i0, i1), adding to the partial sums when acc.
+
+// Fused (one row group): multiply = gemm_transposing over each unit. Reading a chunk's pieces before its
+// arithmetic (instead of prefetching) keeps the misses together (benchmarks/amx_bwd_variants.cpp, "fused").
+template <class Piece, class Multiply>
+inline void read_and_multiply(const KernelTable* K, int64_t steps, int64_t split, int64_t n, const Piece& piece,
+                              const Multiply& multiply) {
+  for (int64_t i0 = 0; i0 < steps;) {
+    const int64_t end = std::min(steps, i0 + kFusedSteps), i1 = i0 < split && end > split ? split : end;
+    volatile double sink = 0;  // keeps the reads
+    for (int64_t i = i0; i < i1; ++i)
+      sink = sink + K->read_sum(piece(i, 0), n * 2 * kBlockElems) + K->read_sum(piece(i, 1), n * 2 * kBlockElems);
+    multiply(i0, i1, i0 > 0);
+    i0 = i1;
+  }
+}
+
+// More rows: transpose(i) writes step i's W^T blocks into the task's scratch (on the rows' first pass only:
+// later row chunks find the scratch complete), then multiply runs over the whole part. The prefetch is one
+// step's pieces per step: a burst of 64 KiB into L2 per 8 steps (an earlier schedule) held the transposes up
+// behind the misses it queued (memory-bound gate/up: 2.3-2.5x a streaming read of its weights against 1.7-2.0x).
+template <class Piece, class Transpose, class Multiply>
+inline void transpose_then_multiply(int64_t steps, int64_t split, int64_t n, bool transposing, const Piece& piece,
+                                    const Transpose& transpose, const Multiply& multiply) {
   auto prefetch = [&](int64_t i) {
     if (i >= steps) return;
     prefetch_blocks_l1(piece(i, 0), n);
@@ -124,13 +137,13 @@ inline void transpose_and_multiply(int64_t steps, int64_t split, int64_t n, bool
   if (transposing)
     for (int64_t i = 0; i < kPrefetchSteps; ++i) prefetch(i);
   for (int64_t i0 = 0; i0 < steps;) {
-    const int64_t i1 = chunk_end(i0);
+    const int64_t i1 = i0 < split ? split : steps;
     if (transposing)
       for (int64_t i = i0; i < i1; ++i) {
         prefetch(i + kPrefetchSteps);
         transpose(i);
       }
-    gemm(i0, i1, i0 > 0);
+    multiply(i0, i1, i0 > 0);
     i0 = i1;
   }
 }
@@ -371,9 +384,12 @@ class Engine {
     const int64_t nq = d.Hp / 32;
     run_split(off, poff, E, d.Ip / 32, /*split_units=*/true, [&](const Task& t, int pool, int tid, int64_t, int64_t) {
       const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
-      // unit j's W^T streams: s + 2j * nq blocks (its first 16 columns), then nq blocks (the next 16)
-      uint16_t* s = scratch_blocks(pool, tid, 2 * n * nq);
+      const bool fused = m <= 32;
+      // fused: two slots per step of a chunk; else unit j's W^T streams: s + 2j * nq blocks (its first 16
+      // columns), then nq blocks (the next 16)
+      uint16_t* s = scratch_blocks(pool, tid, fused ? 2 * kFusedSteps : 2 * n * nq);
       float* C = scratch_c(pool, tid, n);  // unit j's sums at C + j * kCBlock
+      const int64_t stream = d.dn_kb() * kBlockElems;
       auto piece = [&](int64_t q, int odd) { return d.dn_block(dn, t.e, 2 * q + odd, t.unit); };
       auto transpose = [&](int64_t q) {
         const uint16_t *fa = piece(q, 0), *fb = piece(q, 1);
@@ -383,13 +399,20 @@ class Engine {
       };
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         const int64_t mm = std::min(kRowChunk, m - m0);
-        transpose_and_multiply(nq, nq, n, m0 == 0, piece, transpose, [&](int64_t q0, int64_t q1, int acc) {
-          for (int64_t j = 0; j < n; ++j) {
-            const uint16_t* s0 = s + (2 * j * nq + q0) * kBlockElems;
-            K_->gemm_block(gys + la.at(t.p0 + m0, q0 * 32), la, mm, s0, s0 + nq * kBlockElems, q1 - q0,
-                           C + j * kCBlock, 32, acc);
-          }
-        });
+        if (fused)
+          read_and_multiply(K_, nq, nq, n, piece, [&](int64_t q0, int64_t q1, int acc) {
+            for (int64_t j = 0; j < n; ++j)
+              K_->gemm_transposing(gys + la.at(t.p0, q0 * 32), la, m, piece(q0, 0) + j * kBlockElems, 2 * stream,
+                                   stream, q1 - q0, C + j * kCBlock, 32, acc, s);
+          });
+        else
+          transpose_then_multiply(nq, nq, n, m0 == 0, piece, transpose, [&](int64_t q0, int64_t q1, int acc) {
+            for (int64_t j = 0; j < n; ++j) {
+              const uint16_t* s0 = s + (2 * j * nq + q0) * kBlockElems;
+              K_->gemm_block(gys + la.at(t.p0 + m0, q0 * 32), la, mm, s0, s0 + nq * kBlockElems, q1 - q0,
+                             C + j * kCBlock, 32, acc);
+            }
+          });
         for (int64_t j = 0; j < n; ++j) {
           const int64_t p = t.unit + j, ncol = std::min<int64_t>(32, I - p * 32);
           for (int64_t r = 0; r < mm; ++r)
@@ -439,9 +462,12 @@ class Engine {
         return;
       }
       const int64_t nq = q1 - q0;
-      // unit j's W^T streams: s + 4j * nq blocks: gate then up (its first 16 columns), then gate, up (the next 16)
-      uint16_t* s = scratch_blocks(pool, tid, 4 * n * nq);
+      const bool fused = m <= 32;
+      // fused: two slots per step of a chunk; else unit j's W^T streams: s + 4j * nq blocks: gate then up (its
+      // first 16 columns), then gate, up (the next 16)
+      uint16_t* s = scratch_blocks(pool, tid, fused ? 2 * kFusedSteps : 4 * n * nq);
       float* C = scratch_c(pool, tid, n);  // unit j's sums at C + j * kCBlock
+      const int64_t stream = d.gu_kb() * kBlockElems;
       // step i < nq: gate's streams 2q and 2q+1 (q = q0 + i); step nq + i: up's
       auto piece = [&](int64_t i, int odd) {
         return d.gu_block(i < nq ? gate : up, t.e, 2 * (q0 + i % nq) + odd, t.unit);
@@ -455,14 +481,21 @@ class Engine {
       };
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         const int64_t mm = std::min(kRowChunk, m - m0);
-        transpose_and_multiply(2 * nq, nq, n, m0 == 0, piece, transpose, [&](int64_t i0, int64_t i1, int acc) {
-          const int64_t col = (i0 < nq ? 0 : d.Ip) + (q0 + i0 % nq) * 32;  // ggu's gate or up columns
-          for (int64_t j = 0; j < n; ++j) {
-            const uint16_t* s0 = s + (4 * j * nq + i0) * kBlockElems;
-            K_->gemm_block(ggu + la.at(t.p0 + m0, col), la, mm, s0, s0 + 2 * nq * kBlockElems, i1 - i0,
-                           C + j * kCBlock, 32, acc);
-          }
-        });
+        auto col = [&](int64_t i) { return (i < nq ? 0 : d.Ip) + (q0 + i % nq) * 32; };  // ggu's gate or up column
+        if (fused)
+          read_and_multiply(K_, 2 * nq, nq, n, piece, [&](int64_t i0, int64_t i1, int acc) {
+            for (int64_t j = 0; j < n; ++j)
+              K_->gemm_transposing(ggu + la.at(t.p0, col(i0)), la, m, piece(i0, 0) + j * kBlockElems, 2 * stream,
+                                   stream, i1 - i0, C + j * kCBlock, 32, acc, s);
+          });
+        else
+          transpose_then_multiply(2 * nq, nq, n, m0 == 0, piece, transpose, [&](int64_t i0, int64_t i1, int acc) {
+            for (int64_t j = 0; j < n; ++j) {
+              const uint16_t* s0 = s + (4 * j * nq + i0) * kBlockElems;
+              K_->gemm_block(ggu + la.at(t.p0 + m0, col(i0)), la, mm, s0, s0 + 2 * nq * kBlockElems, i1 - i0,
+                             C + j * kCBlock, 32, acc);
+            }
+          });
         for (int64_t j = 0; j < n; ++j) {
           const int64_t np = t.unit + j, nc = std::min<int64_t>(32, H - np * 32);
           for (int64_t r = 0; r < mm; ++r)
