@@ -4,14 +4,18 @@
 // bytes and the forward's whole-K loop over them (figures in RESULTS.md). Standalone, needs an AMX CPU:
 //   g++ -O3 -march=sapphirerapids -fopenmp -Ibackends/amx_bf16/src -Iktcore/include benchmarks/amx_bwd_variants.cpp -o bv
 //   OMP_NUM_THREADS=16 OMP_PROC_BIND=close ./bv [experts=128] [reps=7]
-// Exits 1 when a variant's gradient differs from the shipped schedule's.
+// Exits 1 when a variant's gradient differs from the first variant's.
 // Every expert gets 32 rows (the memory-bound layer: T=512, K=8, E=128).
 // Layouts: "streams" is the backend's (expert, 16-output stream, k-block); "grouped" stores, per group of 4
 // k-blocks, every stream's 4 KiB piece next to the previous stream's, so a backward task reads one contiguous run.
+// "old transpose" is the 16 x 16 dword transpose + word permutes the backend used before its lane-gathering
+// transpose_pair; "cached" variants re-read one task's pieces (L2-resident): their time is the arithmetic alone;
+// "staged" reads each chunk's pieces (loads only) before transposing them, so misses and arithmetic do not mix.
 // "direct" variants transpose nothing: they multiply the forward blocks as A tiles by a zero-padded expansion of
 // the output gradient (half the tile products multiply zeros).
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -28,6 +32,46 @@
 #include "kernels_amx.cpp"
 using ktamx::amxk::ensure_tile_config;
 using ktamx::amxk::transpose_pair;
+
+// the backend's transpose_pair until 2026-12-03: two 16 x 16 dword transposes, then word permutes
+static void transpose_pair_old(const uint16_t* fa, const uint16_t* fb, uint16_t* out0, uint16_t* out1) {
+  __m512i r[2][16];
+  for (int i = 0; i < 16; ++i) {
+    r[0][i] = _mm512_loadu_si512(fa + i * 32);
+    r[1][i] = _mm512_loadu_si512(fb + i * 32);
+  }
+  for (auto& x : r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+      __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+      x[c] = _mm512_shuffle_i32x4(v, v2, 0x88); x[8 + c] = _mm512_shuffle_i32x4(v, v2, 0xDD);
+      x[4 + c] = _mm512_shuffle_i32x4(w, w2, 0x88); x[12 + c] = _mm512_shuffle_i32x4(w, w2, 0xDD);
+    }
+  }
+  alignas(64) uint16_t idx0[32], idx1[32];
+  for (int kk = 0; kk < 16; ++kk)
+    for (int j = 0; j < 2; ++j) {
+      idx0[2 * kk + j] = static_cast<uint16_t>((j ? 32 : 0) + kk);
+      idx1[2 * kk + j] = static_cast<uint16_t>((j ? 32 : 0) + 16 + kk);
+    }
+  const __m512i i0 = _mm512_load_si512(idx0), i1 = _mm512_load_si512(idx1);
+  for (int np = 0; np < 16; ++np) {
+    const __m512i lo = r[np / 8][2 * (np % 8)], hi = r[np / 8][2 * (np % 8) + 1];
+    _mm512_storeu_si512(out0 + np * 32, _mm512_permutex2var_epi16(lo, i0, hi));
+    _mm512_storeu_si512(out1 + np * 32, _mm512_permutex2var_epi16(lo, i1, hi));
+  }
+}
 
 constexpr int64_t KBLK = 512;  // 16 x 32 bf16 = 1 KiB
 constexpr int64_t H = 2048, I = 768, KB = H / 32, NB = I / 16, NQ = I / 32, G = 4, STEPS = 2 * NQ;
@@ -61,10 +105,12 @@ static inline void gemm32(const uint16_t* a0, int64_t ga, const uint16_t* B0, co
   _tile_stored(0, C, 128); _tile_stored(1, C + 16, 128); _tile_stored(2, C + 512, 128); _tile_stored(3, C + 528, 128);
 }
 
-enum class Pf { burst_l2, spread_l2, spread_l1, none };
+enum class Pf { burst_l2, spread_l2, spread_l1, staged, none };
 // what a task does with its pieces: read every line only, transpose them only, multiply a stale scratch only
-// (the pieces still pass through L1), or transpose and multiply as the backend does
-enum class Work { read, transpose, multiply, both };
+// (the pieces still pass through L1), transpose and multiply as the backend does, or "fused": per output unit,
+// each step's blocks are transposed into one of two 2 KiB slots right before their tile products (C stays in
+// tiles over the chunk, the AMX products of one step overlap the next step's transposes, no 384 KiB scratch)
+enum class Work { read, transpose, multiply, both, fused };
 struct Variant {
   const char* name;
   bool grouped;
@@ -72,7 +118,12 @@ struct Variant {
   int dist;        // steps ahead (spread)
   Work work;
   int chunk = 8;   // steps transposed before they are multiplied
+  bool old_transpose = false;
+  bool cached = false;  // every task reads expert 0's first pieces
 };
+
+// the variants whose outputs are the layer's gradient (to be compared with the first one's)
+static bool computes(const Variant& v) { return (v.work == Work::both || v.work == Work::fused) && !v.cached; }
 
 struct Bufs {
   uint16_t *gate, *up, *ggu;  // ggu: per expert 2 groups x STEPS k-blocks (tile order)
@@ -89,8 +140,15 @@ static void prefetch_piece(const uint16_t* p, int hint) {
 // one backward task: expert e, output units [g*G, g*G+G) (128 columns of H)
 static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, uint16_t* s, float* C) {
   auto piece = [&](int64_t i, int odd) {
-    return block(i < NQ ? b.gate : b.up, v.grouped, e, 2 * (i % NQ) + odd, g * G);
+    return v.cached ? block(i < NQ ? b.gate : b.up, v.grouped, 0, 2 * (i % NQ) + odd, 0)
+                    : block(i < NQ ? b.gate : b.up, v.grouped, e, 2 * (i % NQ) + odd, g * G);
   };
+  auto read_step = [&](int64_t i, __m512i& sink) {
+    const uint16_t *fa = piece(i, 0), *fb = piece(i, 1);
+    for (int64_t l = 0; l < G * KBLK; l += 32)
+      sink = _mm512_add_epi64(sink, _mm512_add_epi64(_mm512_loadu_si512(fa + l), _mm512_loadu_si512(fb + l)));
+  };
+  const auto tp = v.old_transpose ? transpose_pair_old : transpose_pair;
   __m512i sink = _mm512_setzero_si512();
   auto pf_step = [&](int64_t i, int hint) {
     if (i < STEPS) { prefetch_piece(piece(i, 0), hint); prefetch_piece(piece(i, 1), hint); }
@@ -104,17 +162,45 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
   for (int64_t i0 = 0; i0 < STEPS; i0 += chunk) {
     const int64_t i1 = std::min(STEPS, i0 + chunk);
     if (v.pf == Pf::burst_l2) for (int64_t i = i1; i < i1 + chunk; ++i) pf_step(i, 1);
+    if (v.pf == Pf::staged && v.work != Work::read)
+      for (int64_t i = i0; i < i1; ++i) read_step(i, sink);
+    if (v.work == Work::fused) {
+      for (int64_t j = 0; j < G; ++j) {
+        float* c = C + j * 1024;
+        if (i0 > 0) {
+          _tile_loadd(0, c, 128); _tile_loadd(1, c + 16, 128);
+          _tile_loadd(2, c + 512, 128); _tile_loadd(3, c + 528, 128);
+        } else {
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        }
+        for (int64_t i = i0; i < i1; ++i) {
+          if (j == 0 && (v.pf == Pf::spread_l2 || v.pf == Pf::spread_l1)) pf_step(i + v.dist, hint);
+          uint16_t* o = s + (i & 1) * 2 * KBLK;
+          tp(piece(i, 0) + j * KBLK, piece(i, 1) + j * KBLK, o, o + KBLK);
+          _tile_loadd(4, a + i * KBLK, 64);
+          _tile_loadd(6, o, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, o + KBLK, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(5, a + (STEPS + i) * KBLK, 64);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
+        _tile_stored(2, c + 512, 128); _tile_stored(3, c + 528, 128);
+      }
+      continue;
+    }
     for (int64_t i = i0; i < i1; ++i) {
       if (v.pf == Pf::spread_l2 || v.pf == Pf::spread_l1) pf_step(i + v.dist, hint);
-      const uint16_t *fa = piece(i, 0), *fb = piece(i, 1);
       if (v.work == Work::read || v.work == Work::multiply) {
-        for (int64_t l = 0; l < G * KBLK; l += 32)
-          sink = _mm512_add_epi64(sink, _mm512_add_epi64(_mm512_loadu_si512(fa + l), _mm512_loadu_si512(fb + l)));
+        read_step(i, sink);
         continue;
       }
+      const uint16_t *fa = piece(i, 0), *fb = piece(i, 1);
       for (int64_t j = 0; j < G; ++j) {
         uint16_t* o = s + (4 * j * NQ + i) * KBLK;
-        transpose_pair(fa + j * KBLK, fb + j * KBLK, o, o + 2 * NQ * KBLK);
+        tp(fa + j * KBLK, fb + j * KBLK, o, o + 2 * NQ * KBLK);
       }
     }
     if (v.work == Work::read || v.work == Work::transpose) continue;
@@ -123,7 +209,7 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
       gemm32(a + i0 * KBLK, STEPS * KBLK, s0, s0 + 2 * NQ * KBLK, i1 - i0, C + j * 1024, i0 > 0);
     }
   }
-  if (v.work == Work::both || v.work == Work::multiply)
+  if (v.work == Work::both || v.work == Work::multiply || v.work == Work::fused)
     for (int64_t j = 0; j < G; ++j)
       for (int64_t r = 0; r < M; ++r)
         std::memcpy(b.out + (e * M + r) * H + (g * G + j) * 32, C + j * 1024 + r * 32, 128);
@@ -242,7 +328,9 @@ int main(int argc, char** argv) {
               omp_get_max_threads(), 2.0 * wbytes / (1 << 20));
   Bufs plain{}, grouped{};
   auto alloc = [&](int64_t bytes) {
-    void* p = std::aligned_alloc(2 << 20, (bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20));
+    const int64_t rounded = (bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20);
+    void* p = std::aligned_alloc(2 << 20, rounded);
+    madvise(p, rounded, MADV_HUGEPAGE);  // as the backend's packed weights (ktcore.hugepages)
     std::memset(p, 0, bytes);
     return static_cast<uint16_t*>(p);
   };
@@ -282,25 +370,34 @@ int main(int argc, char** argv) {
     });
   };
   const Variant variants[] = {
-      {"streams, burst L2 (shipped)", false, Pf::burst_l2, 0, Work::both},
-      {"streams, spread L2 d=8", false, Pf::spread_l2, 8, Work::both},
-      {"streams, spread L2 d=4", false, Pf::spread_l2, 4, Work::both},
-      {"streams, spread L1 d=2", false, Pf::spread_l1, 2, Work::both},
+      {"streams, spread L1 d=2 (shipped before)", false, Pf::spread_l1, 2, Work::both},
+      {"  same, old transpose", false, Pf::spread_l1, 2, Work::both, 8, true},
+      {"streams, burst L2, old transpose", false, Pf::burst_l2, 0, Work::both, 8, true},
       {"streams, no prefetch", false, Pf::none, 0, Work::both},
       {"streams, spread L1 d=1", false, Pf::spread_l1, 1, Work::both},
-      {"streams, spread L1 d=3", false, Pf::spread_l1, 3, Work::both},
-      {"streams, spread L1 d=2, chunk 4", false, Pf::spread_l1, 2, Work::both, 4},
-      {"streams, spread L1 d=2, chunk 16", false, Pf::spread_l1, 2, Work::both, 16},
-      {"grouped, burst L2", true, Pf::burst_l2, 0, Work::both},
-      {"grouped, spread L2 d=8", true, Pf::spread_l2, 8, Work::both},
-      {"grouped, spread L2 d=4", true, Pf::spread_l2, 4, Work::both},
+      {"streams, spread L2 d=4", false, Pf::spread_l2, 4, Work::both},
+      {"streams, staged, chunk 8", false, Pf::staged, 0, Work::both},
+      {"streams, staged, chunk 2", false, Pf::staged, 0, Work::both, 2},
       {"grouped, no prefetch", true, Pf::none, 0, Work::both},
-      {"streams, no prefetch, transpose only", false, Pf::none, 0, Work::transpose},
-      {"streams, no prefetch, multiply only", false, Pf::none, 0, Work::multiply},
-      {"streams, read only, spread L2 d=8", false, Pf::spread_l2, 8, Work::read},
+      {"grouped, staged, chunk 8", true, Pf::staged, 0, Work::both},
+      {"fused, spread L1 d=2", false, Pf::spread_l1, 2, Work::fused},
+      {"fused, staged, chunk 8 (shipped)", false, Pf::staged, 0, Work::fused},
+      {"fused, staged, chunk 2", false, Pf::staged, 0, Work::fused, 2},
+      {"fused, whole task, spread L2 d=4", false, Pf::spread_l2, 4, Work::fused, STEPS},
+      {"fused, whole task, no prefetch", false, Pf::none, 0, Work::fused, STEPS},
+      {"cached: fused", false, Pf::none, 0, Work::fused, 8, false, true},
+      {"cached: transpose + multiply", false, Pf::none, 0, Work::both, 8, false, true},
+      {"cached: same, old transpose", false, Pf::none, 0, Work::both, 8, true, true},
+      {"cached: transpose only", false, Pf::none, 0, Work::transpose, 8, false, true},
+      {"cached: old transpose only", false, Pf::none, 0, Work::transpose, 8, true, true},
+      {"cached: multiply only", false, Pf::none, 0, Work::multiply, 8, false, true},
+      {"streams, transpose only, no prefetch", false, Pf::none, 0, Work::transpose},
+      {"streams, old transpose only, no prefetch", false, Pf::none, 0, Work::transpose, 8, true},
+      {"streams, multiply only, no prefetch", false, Pf::none, 0, Work::multiply},
       {"streams, read only, no prefetch", false, Pf::none, 0, Work::read},
       {"grouped, read only, no prefetch", true, Pf::none, 0, Work::read},
   };
+
   auto checksum = [&]() {  // a sample of the last variant's outputs, to compare variants
     double sum = 0;
     for (int64_t x = 0; x < E * M * H; x += 997) sum += out[x];
@@ -322,7 +419,7 @@ int main(int argc, char** argv) {
         const __m512i x = bwd_task(b, v, t / (KB / G), t % (KB / G), s, C);
         if (_mm512_reduce_add_epi64(x) == 42) std::puts("");  // keeps the read-only loads
       }));
-      if (v.work == Work::both && r == 0) sums[i] = checksum();
+      if (computes(v) && r == 0) sums[i] = checksum();
     }
   }
   struct Direct { const char* name; int pf; int64_t kbt; };
@@ -344,9 +441,9 @@ int main(int argc, char** argv) {
       if (r == 0) dsum[i] = checksum();
     }
   const double bytes = 2.0 * wbytes, tr = median(tv[0]);
-  std::printf("%-36s %9s %9s %8s\n", "case", "ms", "GB/s", "x read");
+  std::printf("%-42s %9s %9s %8s\n", "case", "ms", "GB/s", "x read");
   auto row = [&](const char* name, double t) {
-    std::printf("%-36s %9.2f %9.1f %8.2f\n", name, t * 1e3, bytes / t / 1e9, t / tr);
+    std::printf("%-42s %9.2f %9.1f %8.2f\n", name, t * 1e3, bytes / t / 1e9, t / tr);
   };
   row("streaming read", tr);
   row("forward whole-K loop, streams", median(tv[1]));
@@ -360,7 +457,7 @@ int main(int argc, char** argv) {
     if (std::abs(dsum[i] - sums[0]) > 1e-3 * std::abs(sums[0]))
       bad += std::printf("MISMATCH: %s checksum %g vs %g\n", directs[i].name, dsum[i], sums[0]) > 0;
   for (int i = 1; i < nv; ++i)
-    if (variants[i].work == Work::both && sums[i] != sums[0])
+    if (computes(variants[i]) && sums[i] != sums[0])
       bad += std::printf("MISMATCH: %s checksum %g vs %g\n", variants[i].name, sums[i], sums[0]) > 0;
   return bad ? 1 : 0;
 }
