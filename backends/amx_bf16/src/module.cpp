@@ -107,8 +107,8 @@ inline void prefetch_blocks_l1(const uint16_t* b, int64_t n) {
 // unit); steps [0, split) and [split, steps) are separate parts (gate and up in bwd_gate_up): a run of products
 // never crosses `split`. multiply(i0, i1, acc) covers steps [i0, i1), adding to the partial sums when acc.
 
-// Fused (one row group): multiply = gemm_transposing over each unit. Reading a chunk's pieces before its
-// arithmetic (instead of prefetching) keeps the misses together (benchmarks/amx_bwd_variants.cpp, "fused").
+// Fused (one row group): multiply = gemm_transposing over each unit. A chunk's pieces are read (into L1/L2)
+// before its arithmetic; prefetching them a step ahead instead was no faster (benchmarks/amx_bwd_variants.cpp).
 template <class Piece, class Multiply>
 inline void read_and_multiply(const KernelTable* K, int64_t steps, int64_t split, int64_t n, const Piece& piece,
                               const Multiply& multiply) {
@@ -479,9 +479,9 @@ class Engine {
           K_->transpose_pair(fa + j * kBlockElems, fb + j * kBlockElems, o, o + 2 * nq * kBlockElems);
         }
       };
+      auto col = [&](int64_t i) { return (i < nq ? 0 : d.Ip) + (q0 + i % nq) * 32; };  // ggu's gate or up column
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         const int64_t mm = std::min(kRowChunk, m - m0);
-        auto col = [&](int64_t i) { return (i < nq ? 0 : d.Ip) + (q0 + i % nq) * 32; };  // ggu's gate or up column
         if (fused)
           read_and_multiply(K_, 2 * nq, nq, n, piece, [&](int64_t i0, int64_t i1, int acc) {
             for (int64_t j = 0; j < n; ++j)
