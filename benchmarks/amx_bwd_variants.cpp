@@ -107,9 +107,9 @@ static inline void gemm32(const uint16_t* a0, int64_t ga, const uint16_t* B0, co
 
 enum class Pf { burst_l2, spread_l2, spread_l1, staged, none };
 // what a task does with its pieces: read every line only, transpose them only, multiply a stale scratch only
-// (the pieces still pass through L1), transpose and multiply as the backend does, or "fused": per output unit,
-// each step's blocks are transposed into one of two 2 KiB slots right before their tile products (C stays in
-// tiles over the chunk, the AMX products of one step overlap the next step's transposes, no 384 KiB scratch)
+// (the pieces still pass through L1), transpose and multiply into a scratch as the backend does above 32 rows,
+// or "fused" as it does up to 32: per output unit, each step is transposed into one of two 2 KiB slots right
+// before its tile products (the backend's gemm_transposing; streams layout only)
 enum class Work { read, transpose, multiply, both, fused };
 struct Variant {
   const char* name;
@@ -164,31 +164,11 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
     if (v.pf == Pf::burst_l2) for (int64_t i = i1; i < i1 + chunk; ++i) pf_step(i, 1);
     if (v.pf == Pf::staged && v.work != Work::read)
       for (int64_t i = i0; i < i1; ++i) read_step(i, sink);
-    if (v.work == Work::fused) {
-      for (int64_t j = 0; j < G; ++j) {
-        float* c = C + j * 1024;
-        if (i0 > 0) {
-          _tile_loadd(0, c, 128); _tile_loadd(1, c + 16, 128);
-          _tile_loadd(2, c + 512, 128); _tile_loadd(3, c + 528, 128);
-        } else {
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        }
-        for (int64_t i = i0; i < i1; ++i) {
-          if (j == 0 && (v.pf == Pf::spread_l2 || v.pf == Pf::spread_l1)) pf_step(i + v.dist, hint);
-          uint16_t* o = s + (i & 1) * 2 * KBLK;
-          tp(piece(i, 0) + j * KBLK, piece(i, 1) + j * KBLK, o, o + KBLK);
-          _tile_loadd(4, a + i * KBLK, 64);
-          _tile_loadd(6, o, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, o + KBLK, 64);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, a + (STEPS + i) * KBLK, 64);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
-        _tile_stored(2, c + 512, 128); _tile_stored(3, c + 528, 128);
-      }
+    if (v.work == Work::fused) {  // the backend's kernel (transpose_pair inside: no old-transpose variant)
+      const ktamx::ALayout la = ktamx::ALayout::tiles(STEPS * 32);
+      for (int64_t j = 0; j < G; ++j)
+        ktamx::amxk::gemm_transposing(a + i0 * KBLK, la, M, piece(i0, 0) + j * KBLK, 2 * KB * KBLK, KB * KBLK,
+                                      i1 - i0, C + j * 1024, 32, i0 > 0, s);
       continue;
     }
     for (int64_t i = i0; i < i1; ++i) {
@@ -380,10 +360,8 @@ int main(int argc, char** argv) {
       {"streams, staged, chunk 2", false, Pf::staged, 0, Work::both, 2},
       {"grouped, no prefetch", true, Pf::none, 0, Work::both},
       {"grouped, staged, chunk 8", true, Pf::staged, 0, Work::both},
-      {"fused, spread L1 d=2", false, Pf::spread_l1, 2, Work::fused},
       {"fused, staged, chunk 8 (shipped)", false, Pf::staged, 0, Work::fused},
       {"fused, staged, chunk 2", false, Pf::staged, 0, Work::fused, 2},
-      {"fused, whole task, spread L2 d=4", false, Pf::spread_l2, 4, Work::fused, STEPS},
       {"fused, whole task, no prefetch", false, Pf::none, 0, Work::fused, STEPS},
       {"cached: fused", false, Pf::none, 0, Work::fused, 8, false, true},
       {"cached: transpose + multiply", false, Pf::none, 0, Work::both, 8, false, true},
