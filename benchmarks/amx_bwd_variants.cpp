@@ -167,8 +167,12 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
     if (v.work == Work::fused) {  // the backend's kernel (transpose_pair inside: no old-transpose variant)
       const ktamx::ALayout la = ktamx::ALayout::tiles(STEPS * 32);
       for (int64_t j = 0; j < G; ++j)
-        ktamx::amxk::gemm_transposing(a + i0 * KBLK, la, M, piece(i0, 0) + j * KBLK, 2 * KB * KBLK, KB * KBLK,
-                                      i1 - i0, C + j * 1024, 32, i0 > 0, s);
+        for (int64_t k0 = i0; k0 < i1;) {  // a run of steps in one matrix (the stride changes at NQ)
+          const int64_t k1 = k0 < NQ ? std::min(i1, NQ) : i1;
+          ktamx::amxk::gemm_transposing(a + k0 * KBLK, la, M, piece(k0, 0) + j * KBLK, 2 * KB * KBLK, KB * KBLK,
+                                        k1 - k0, C + j * 1024, 32, k0 > 0, s);
+          k0 = k1;
+        }
       continue;
     }
     for (int64_t i = i0; i < i1; ++i) {
