@@ -18,6 +18,8 @@ import gc
 import os
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -72,6 +74,108 @@ def run_fwd_bwd(backend, packed, x, ids, w, gy):
     return f
 
 
+@dataclass
+class Run:
+    """What every layer's benchmark needs from main: the backends, the output, the timing settings, the
+    machine's measured bandwidth (GB/s) and AMX peak (GFLOP/s)."""
+    amx: AMXBF16Backend
+    tb: object
+    out: Callable[..., None]
+    min_time: float
+    rounds: int
+    skip_torch_backend: bool
+    bw: float
+    peak: float
+    threads: int
+
+
+def memory_bound(run):
+    """E=128 K=8 H=2048 I=768 T=512: forward and backward against one read of the weights."""
+    amx, tb, out, min_time = run.amx, run.tb, run.out, run.min_time
+    E, K, H, I, T = 128, 8, 2048, 768, 512
+    wts = make_layer(E, H, I)
+    packed = amx.pack(wts)
+    x, ids, w, gy = make_inputs(E, K, H, T)
+    nbytes = packed.gate.nbytes + packed.up.nbytes + packed.down.nbytes
+    t_read = nbytes / (run.bw * 1e9)
+    tpk = tb.pack(wts)
+    tf, tfb, ttf = rounds(run.rounds, lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
+                          lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time),
+                          lambda: timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time))
+    out(f"### memory-bound E={E} K={K} H={H} I={I} T={T} ({nbytes / 1e9:.2f} GB bf16 weights)")
+    out()
+    out("| what | time ms | vs one weight read | target |")
+    out("| --- | ---: | ---: | --- |")
+    out(f"| one read of the weights at {run.bw:.1f} GB/s | {t_read * 1e3:.1f} | 1.00x | |")
+    out(f"| amx_bf16 forward | {tf * 1e3:.1f} | {tf / t_read:.2f}x | <= 1.35x |")
+    out(f"| amx_bf16 backward (fwd+bwd minus fwd) | {(tfb - tf) * 1e3:.1f} | {(tfb - tf) / t_read:.2f}x | <= 2x |")
+    out(f"| amx_bf16 forward+backward | {tfb * 1e3:.1f} | {tfb / t_read:.2f}x | |")
+    out(f"| torch backend forward | {ttf * 1e3:.1f} | {ttf / t_read:.2f}x | |")
+    out()
+
+
+def compute_bound(run):
+    """E=8 K=2 H=2048 I=1408 T=4096: GFLOP/s against the AMX peak and torch's dense matmul."""
+    amx, out, min_time = run.amx, run.out, run.min_time
+    E, K, H, I, T = 8, 2, 2048, 1408, 4096
+    wts = make_layer(E, H, I)
+    packed = amx.pack(wts)
+    x, ids, w, gy = make_inputs(E, K, H, T)
+    flops = 2.0 * T * K * H * 3 * I
+    a = torch.randn(T * K, H, dtype=torch.bfloat16)
+    w1 = torch.randn(H, 2 * I, dtype=torch.bfloat16)
+    w2 = torch.randn(I, H, dtype=torch.bfloat16)
+
+    def dense():
+        hh = a @ w1
+        return hh[:, :I] @ w2
+
+    tf, tfb, t_dense = rounds(run.rounds, lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
+                              lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time),
+                              lambda: timeit(dense, min_time=min_time))
+    out(f"### compute-bound E={E} K={K} H={H} I={I} T={T} ({flops / 1e9:.0f} GFLOP per forward)")
+    out()
+    out("| what | time ms | GFLOP/s | vs AMX peak | target |")
+    out("| --- | ---: | ---: | ---: | --- |")
+    out(f"| AMX tile-only peak | | {run.peak:.0f} | 100% | |")
+    out(f"| amx_bf16 forward | {tf * 1e3:.1f} | {flops / tf / 1e9:.0f} | {flops / tf / 1e9 / run.peak:.0%} | >= 70% |")
+    out(f"| amx_bf16 forward+backward (3x FLOPs) | {tfb * 1e3:.1f} | {3 * flops / tfb / 1e9:.0f} | "
+        f"{3 * flops / tfb / 1e9 / run.peak:.0%} | |")
+    out(f"| torch bf16 dense matmul, same FLOPs | {t_dense * 1e3:.1f} | {flops / t_dense / 1e9:.0f} | "
+        f"{flops / t_dense / 1e9 / run.peak:.0%} | amx_bf16 >= 1.3x this: {t_dense / tf:.2f}x |")
+    out()
+
+
+def deepseek_v2_lite(run):
+    """DeepSeek-V2-Lite layer E=64 K=6 H=2048 I=1408 at T = 1, 16, 512, 4096 against the torch backend."""
+    amx, tb, out, min_time = run.amx, run.tb, run.out, run.min_time
+    E, K, H, I = 64, 6, 2048, 1408
+    wts = make_layer(E, H, I)
+    packed = amx.pack(wts)
+    tpk = tb.pack(wts)
+    out(f"### DeepSeek-V2-Lite layer E={E} K={K} H={H} I={I} (torch backend: bf16, {run.threads} torch threads)")
+    out()
+    out("| T | amx fwd ms | torch fwd ms | fwd speed-up | amx fwd+bwd ms | torch fwd+bwd ms | fwd+bwd speed-up |")
+    out("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for T in (1, 16, 512, 4096):
+        x, ids, w, gy = make_inputs(E, K, H, T)
+        amx_fns = [lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
+                   lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)]
+        if run.skip_torch_backend:
+            af, afb = rounds(run.rounds, *amx_fns)
+            out(f"| {T} | {af * 1e3:.2f} | | | {afb * 1e3:.2f} | | |")
+            continue
+        af, afb, tf_, tfb_ = rounds(
+            run.rounds, *amx_fns, lambda: timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time, min_reps=2),
+            lambda: timeit(run_fwd_bwd(tb, tpk, x, ids, w, gy), min_time=min_time, min_reps=2))
+        out(f"| {T} | {af * 1e3:.2f} | {tf_ * 1e3:.2f} | {tf_ / af:.1f}x | {afb * 1e3:.2f} | {tfb_ * 1e3:.2f} | "
+            f"{tfb_ / afb:.1f}x |")
+    out()
+
+
+CASES = {"memory": memory_bound, "compute": compute_bound, "dsv2": deepseek_v2_lite}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="shorter timing loops")
@@ -86,7 +190,7 @@ def main():
                     help="amx_bf16 threads (kt_num_threads; default: every CPU this process may use)")
     args = ap.parse_args()
     cases = set(args.cases.split(","))
-    if not cases <= {"memory", "compute", "dsv2"}:
+    if not cases <= CASES.keys():
         ap.error(f"--cases takes memory, compute, dsv2; got {args.cases!r}")
     min_time = 0.3 if args.quick else 1.0
 
@@ -120,87 +224,11 @@ def main():
     out(f"AMX BF16 tile-only peak: {peak:.0f} GFLOP/s")
     out()
 
-    if "memory" in cases:
-        # -- memory-bound ----------------------------------------------------------------------------------------
-        E, K, H, I, T = 128, 8, 2048, 768, 512
-        wts = make_layer(E, H, I)
-        packed = amx.pack(wts)
-        x, ids, w, gy = make_inputs(E, K, H, T)
-        nbytes = packed.gate.nbytes + packed.up.nbytes + packed.down.nbytes
-        t_read = nbytes / (bw * 1e9)
-        tpk = tb.pack(wts)
-        tf, tfb, ttf = rounds(args.rounds, lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
-                              lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time),
-                              lambda: timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time))
-        out(f"### memory-bound E={E} K={K} H={H} I={I} T={T} ({nbytes / 1e9:.2f} GB bf16 weights)")
-        out()
-        out("| what | time ms | vs one weight read | target |")
-        out("| --- | ---: | ---: | --- |")
-        out(f"| one read of the weights at {bw:.1f} GB/s | {t_read * 1e3:.1f} | 1.00x | |")
-        out(f"| amx_bf16 forward | {tf * 1e3:.1f} | {tf / t_read:.2f}x | <= 1.35x |")
-        out(f"| amx_bf16 backward (fwd+bwd minus fwd) | {(tfb - tf) * 1e3:.1f} | {(tfb - tf) / t_read:.2f}x | <= 2x |")
-        out(f"| amx_bf16 forward+backward | {tfb * 1e3:.1f} | {tfb / t_read:.2f}x | |")
-        out(f"| torch backend forward | {ttf * 1e3:.1f} | {ttf / t_read:.2f}x | |")
-        out()
-        del wts, packed, tpk
-        gc.collect()
-
-    if "compute" in cases:
-        # -- compute-bound -------------------------------------------------------------------------------------------
-        E, K, H, I, T = 8, 2, 2048, 1408, 4096
-        wts = make_layer(E, H, I)
-        packed = amx.pack(wts)
-        x, ids, w, gy = make_inputs(E, K, H, T)
-        flops = 2.0 * T * K * H * 3 * I
-        a = torch.randn(T * K, H, dtype=torch.bfloat16)
-        w1 = torch.randn(H, 2 * I, dtype=torch.bfloat16)
-        w2 = torch.randn(I, H, dtype=torch.bfloat16)
-
-        def dense():
-            hh = a @ w1
-            return hh[:, :I] @ w2
-
-        tf, tfb, t_dense = rounds(args.rounds, lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
-                                  lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time),
-                                  lambda: timeit(dense, min_time=min_time))
-        out(f"### compute-bound E={E} K={K} H={H} I={I} T={T} ({flops / 1e9:.0f} GFLOP per forward)")
-        out()
-        out("| what | time ms | GFLOP/s | vs AMX peak | target |")
-        out("| --- | ---: | ---: | ---: | --- |")
-        out(f"| AMX tile-only peak | | {peak:.0f} | 100% | |")
-        out(f"| amx_bf16 forward | {tf * 1e3:.1f} | {flops / tf / 1e9:.0f} | {flops / tf / 1e9 / peak:.0%} | >= 70% |")
-        out(f"| amx_bf16 forward+backward (3x FLOPs) | {tfb * 1e3:.1f} | {3 * flops / tfb / 1e9:.0f} | "
-            f"{3 * flops / tfb / 1e9 / peak:.0%} | |")
-        out(f"| torch bf16 dense matmul, same FLOPs | {t_dense * 1e3:.1f} | {flops / t_dense / 1e9:.0f} | "
-            f"{flops / t_dense / 1e9 / peak:.0%} | amx_bf16 >= 1.3x this: {t_dense / tf:.2f}x |")
-        out()
-        del wts, packed, a, w1, w2
-        gc.collect()
-
-    if "dsv2" in cases:
-        # -- DeepSeek-V2-Lite ------------------------------------------------------------------------------------
-        E, K, H, I = 64, 6, 2048, 1408
-        wts = make_layer(E, H, I)
-        packed = amx.pack(wts)
-        tpk = tb.pack(wts)
-        out(f"### DeepSeek-V2-Lite layer E={E} K={K} H={H} I={I} (torch backend: bf16, {threads} torch threads)")
-        out()
-        out("| T | amx fwd ms | torch fwd ms | fwd speed-up | amx fwd+bwd ms | torch fwd+bwd ms | fwd+bwd speed-up |")
-        out("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for T in (1, 16, 512, 4096):
-            x, ids, w, gy = make_inputs(E, K, H, T)
-            amx_fns = [lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
-                       lambda: timeit(run_fwd_bwd(amx, packed, x, ids, w, gy), min_time=min_time)]
-            if args.skip_torch_backend:
-                af, afb = rounds(args.rounds, *amx_fns)
-                out(f"| {T} | {af * 1e3:.2f} | | | {afb * 1e3:.2f} | | |")
-                continue
-            af, afb, tf_, tfb_ = rounds(
-                args.rounds, *amx_fns, lambda: timeit(run_fwd(tb, tpk, x, ids, w), min_time=min_time, min_reps=2),
-                lambda: timeit(run_fwd_bwd(tb, tpk, x, ids, w, gy), min_time=min_time, min_reps=2))
-            out(f"| {T} | {af * 1e3:.2f} | {tf_ * 1e3:.2f} | {tf_ / af:.1f}x | {afb * 1e3:.2f} | {tfb_ * 1e3:.2f} | "
-                f"{tfb_ / afb:.1f}x |")
-        out()
+    run = Run(amx, tb, out, min_time, args.rounds, args.skip_torch_backend, bw, peak, threads)
+    for case, bench in CASES.items():
+        if case in cases:
+            bench(run)
+            gc.collect()  # the layer's weights
     if args.micro:
         out("### gemm_block micro-benchmark (operands cache-resident, every thread its own)")
         out()
