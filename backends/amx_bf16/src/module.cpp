@@ -402,7 +402,7 @@ class Engine {
         if (fused)
           read_and_multiply(K_, nq, nq, n, piece, [&](int64_t q0, int64_t q1, int acc) {
             for (int64_t j = 0; j < n; ++j)
-              K_->gemm_transposing(gys + la.at(t.p0, q0 * 32), la, m, piece(q0, 0) + j * kBlockElems, 2 * stream,
+              K_->gemm_transposing(gys + la.at(t.p0 + m0, q0 * 32), la, mm, piece(q0, 0) + j * kBlockElems, 2 * stream,
                                    stream, q1 - q0, C + j * kCBlock, 32, acc, s);
           });
         else
@@ -485,7 +485,7 @@ class Engine {
         if (fused)
           read_and_multiply(K_, 2 * nq, nq, n, piece, [&](int64_t i0, int64_t i1, int acc) {
             for (int64_t j = 0; j < n; ++j)
-              K_->gemm_transposing(ggu + la.at(t.p0, col(i0)), la, m, piece(i0, 0) + j * kBlockElems, 2 * stream,
+              K_->gemm_transposing(ggu + la.at(t.p0 + m0, col(i0)), la, mm, piece(i0, 0) + j * kBlockElems, 2 * stream,
                                    stream, i1 - i0, C + j * kCBlock, 32, acc, s);
           });
         else
