@@ -37,8 +37,9 @@ struct KernelTable {
   void (*transpose_pair)(const uint16_t* fa, const uint16_t* fb, uint16_t* out0, uint16_t* out1);
   // gemm_block with W^T blocks derived step by step: step k's B0, B1 are transpose_pair(f + k * stride,
   // f + k * stride + odd), written to `slots` (2 * steps blocks) just before their products. m <= 32.
+  // next (may be null): the f of the call that follows (same stride, odd), whose first blocks this one prefetches.
   void (*gemm_transposing)(const uint16_t* A, ALayout la, int64_t m, const uint16_t* f, int64_t stride, int64_t odd,
-                           int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots);
+                           int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots, const uint16_t* next);
   // h[0:n] = bf16(silu(g) * u)
   void (*silu_mul)(const float* g, const float* u, int64_t n, uint16_t* h);
   // backward of h = silu(g) * u for one row: gh = w * gh_raw; returns dot(gh_raw, h).

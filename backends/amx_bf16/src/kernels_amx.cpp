@@ -170,14 +170,27 @@ static void transpose_pair(const uint16_t* fa, const uint16_t* fb, uint16_t* out
     }
 }
 
+// The forward blocks of step k + kTransposeAhead, prefetched into L1 while step k is transposed and multiplied;
+// past the last step, those of the call that follows (`next`, null if none).
+constexpr int64_t kTransposeAhead = 1;
+static inline void prefetch_ahead(const uint16_t* f, const uint16_t* next, int64_t stride, int64_t odd,
+                                  int64_t steps, int64_t k) {
+  k += kTransposeAhead;
+  const uint16_t* p = k < steps ? f + k * stride : next ? next + (k - steps) * stride : nullptr;
+  if (p) prefetch_blocks(p, p + odd, 0);
+}
+
 // One 32-row group over `steps` W^T block pairs derived from forward blocks as it goes: step k's transposes go
 // to one of two 2 KiB slots right before its tile products, so the AMX unit multiplies step k while the vector
 // units transpose step k + 1, and C stays in tiles throughout. Few rows: transpose all, then gemm_small.
 static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uint16_t* f, int64_t stride,
-                             int64_t odd, int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots) {
+                             int64_t odd, int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots,
+                             const uint16_t* next) {
   if (m <= 4) {
-    for (int64_t k = 0; k < steps; ++k)
+    for (int64_t k = 0; k < steps; ++k) {
+      prefetch_ahead(f, next, stride, odd, steps, k);
       transpose_pair(f + k * stride, f + k * stride + odd, slots + k * kBlockElems, slots + (steps + k) * kBlockElems);
+    }
     gemm_block(A, la, m, slots, slots + steps * kBlockElems, steps, C, ldc, acc);
     return;
   }
@@ -193,6 +206,7 @@ static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uin
   }
   for (int64_t k = 0; k < steps; ++k) {
     uint16_t* o = slots + (k & 1) * 2 * kBlockElems;
+    prefetch_ahead(f, next, stride, odd, steps, k);
     transpose_pair(f + k * stride, f + k * stride + odd, o, o + kBlockElems);
     _tile_loadd(4, a0 + k * la.kblock, sa);
     _tile_loadd(6, o, 64);

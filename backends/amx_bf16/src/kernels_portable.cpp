@@ -46,7 +46,8 @@ static void transpose_pair(const uint16_t* fa, const uint16_t* fb, uint16_t* out
 }
 
 static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uint16_t* f, int64_t stride,
-                             int64_t odd, int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots) {
+                             int64_t odd, int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots,
+                             const uint16_t*) {
   for (int64_t k = 0; k < steps; ++k)
     transpose_pair(f + k * stride, f + k * stride + odd, slots + k * kBlockElems, slots + (steps + k) * kBlockElems);
   gemm_block(A, la, m, slots, slots + steps * kBlockElems, steps, C, ldc, acc);

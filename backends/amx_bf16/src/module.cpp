@@ -91,9 +91,9 @@ constexpr int64_t kBwdTaskRows = 1024;
 // stream (a page's worth at G = 4). Fewer when a pool would get under kTasksPerThread tasks per thread (decode).
 constexpr int64_t kBwdGroup = 4;
 constexpr int64_t kTasksPerThread = 4;
-// Rows that fit one 32-row group (small batches, the memory-bound layer) run the fused schedule: a task reads
-// kFusedSteps steps' pieces, then for each output unit transposes step after step into two small slots right
-// before their tile products (KernelTable::gemm_transposing), C staying in tiles. More rows transpose a whole
+// Rows that fit one 32-row group (small batches, the memory-bound layer) run the fused schedule: on chunks of
+// kFusedSteps steps, each output unit transposes step after step into two small slots right before their tile
+// products (KernelTable::gemm_transposing, which prefetches the blocks a step ahead), C staying in tiles. More rows transpose a whole
 // part into the task's scratch, prefetching the pieces of step i + kPrefetchSteps into L1 while transposing
 // step i, then multiply every row chunk by it.
 constexpr int64_t kFusedSteps = 8;
@@ -107,17 +107,20 @@ inline void prefetch_blocks_l1(const uint16_t* b, int64_t n) {
 // unit); steps [0, split) and [split, steps) are separate parts (gate and up in bwd_gate_up): a run of products
 // never crosses `split`. multiply(i0, i1, acc) covers steps [i0, i1), adding to the partial sums when acc.
 
-// Fused (one row group): multiply = gemm_transposing over each unit. A chunk's pieces are read (into L1/L2)
-// before its arithmetic; prefetching them a step ahead instead was no faster (benchmarks/amx_bwd_variants.cpp).
+// Fused (one row group): multiply(i0, i1, acc, next) runs gemm_transposing for each output unit on a chunk of
+// kFusedSteps steps, so the units of a task take their KiB of the same pieces close together in time. Each call
+// is told where the following one starts (next(j): unit j + 1's KiB of this chunk's pieces, after the last unit
+// the next chunk's), so its last step prefetches that call's first blocks (only a task's first step goes unprefetched).
+// Against reading a chunk's pieces first and then multiplying (shipped before): memory-bound backward 23.7 ->
+// 21.6 ms, DSV2 T=16 9.7 -> 8.8 ms (interleaved in one process, RESULTS.md).
 template <class Piece, class Multiply>
-inline void read_and_multiply(const KernelTable* K, int64_t steps, int64_t split, int64_t n, const Piece& piece,
-                              const Multiply& multiply) {
+inline void multiply_fused(int64_t steps, int64_t split, int64_t n, const Piece& piece, const Multiply& multiply) {
   for (int64_t i0 = 0; i0 < steps;) {
     const int64_t end = std::min(steps, i0 + kFusedSteps), i1 = i0 < split && end > split ? split : end;
-    volatile double sink = 0;  // keeps the reads
-    for (int64_t i = i0; i < i1; ++i)
-      sink = sink + K->read_sum(piece(i, 0), n * 2 * kBlockElems) + K->read_sum(piece(i, 1), n * 2 * kBlockElems);
-    multiply(i0, i1, i0 > 0);
+    auto next = [&](int64_t j) -> const uint16_t* {
+      return j + 1 < n ? piece(i0, 0) + (j + 1) * kBlockElems : i1 < steps ? piece(i1, 0) : nullptr;
+    };
+    multiply(i0, i1, i0 > 0, next);
     i0 = i1;
   }
 }
@@ -400,10 +403,10 @@ class Engine {
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         const int64_t mm = std::min(kRowChunk, m - m0);
         if (fused)
-          read_and_multiply(K_, nq, nq, n, piece, [&](int64_t q0, int64_t q1, int acc) {
+          multiply_fused(nq, nq, n, piece, [&](int64_t q0, int64_t q1, int acc, const auto& next) {
             for (int64_t j = 0; j < n; ++j)
               K_->gemm_transposing(gys + la.at(t.p0 + m0, q0 * 32), la, mm, piece(q0, 0) + j * kBlockElems, 2 * stream,
-                                   stream, q1 - q0, C + j * kCBlock, 32, acc, s);
+                                   stream, q1 - q0, C + j * kCBlock, 32, acc, s, next(j));
           });
         else
           transpose_then_multiply(nq, nq, n, m0 == 0, piece, transpose, [&](int64_t q0, int64_t q1, int acc) {
@@ -483,10 +486,10 @@ class Engine {
       for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
         const int64_t mm = std::min(kRowChunk, m - m0);
         if (fused)
-          read_and_multiply(K_, 2 * nq, nq, n, piece, [&](int64_t i0, int64_t i1, int acc) {
+          multiply_fused(2 * nq, nq, n, piece, [&](int64_t i0, int64_t i1, int acc, const auto& next) {
             for (int64_t j = 0; j < n; ++j)
               K_->gemm_transposing(ggu + la.at(t.p0 + m0, col(i0)), la, mm, piece(i0, 0) + j * kBlockElems, 2 * stream,
-                                   stream, i1 - i0, C + j * kCBlock, 32, acc, s);
+                                   stream, i1 - i0, C + j * kCBlock, 32, acc, s, next(j));
           });
         else
           transpose_then_multiply(2 * nq, nq, n, m0 == 0, piece, transpose, [&](int64_t i0, int64_t i1, int acc) {
