@@ -11,6 +11,9 @@
 // "old transpose" is the 16 x 16 dword transpose + word permutes the backend used before its lane-gathering
 // transpose_pair; "cached" variants re-read one task's pieces (L2-resident): their time is the arithmetic alone;
 // "staged" reads each chunk's pieces (loads only) before transposing them, so misses and arithmetic do not mix.
+// "fused" variants run gemm_transposing per output unit on chunks of steps: "backend kernel" is the backend's own
+// (prefetching a step ahead, "carry": into the next call's first steps); "in-kernel" ones are a local copy with
+// the prefetch distance and hint as named; "staged" fused ones use that copy without prefetch (shipped before).
 // "direct" variants transpose nothing: they multiply the forward blocks as A tiles by a zero-padded expansion of
 // the output gradient (half the tile products multiply zeros).
 #include <immintrin.h>
@@ -105,7 +108,43 @@ static inline void gemm32(const uint16_t* a0, int64_t ga, const uint16_t* B0, co
   _tile_stored(0, C, 128); _tile_stored(1, C + 16, 128); _tile_stored(2, C + 512, 128); _tile_stored(3, C + 528, 128);
 }
 
-enum class Pf { burst_l2, spread_l2, spread_l1, staged, none };
+// the backend's gemm_transposing (32 rows) with the forward's prefetch: step k + dist's two forward blocks
+// (16 lines each) are prefetched while step k is transposed and multiplied
+static void gemm_transposing_pf(const uint16_t* A, int64_t group, const uint16_t* f, int64_t stride, int64_t odd,
+                                int64_t steps, float* C, int acc, uint16_t* slots, int dist, int hint,
+                                const uint16_t* next = nullptr, int lines = 16) {
+  const uint16_t *a0 = A, *a1 = A + group;
+  if (!acc) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  } else {
+    _tile_loadd(0, C, 128); _tile_loadd(1, C + 16, 128); _tile_loadd(2, C + 512, 128); _tile_loadd(3, C + 528, 128);
+  }
+  for (int64_t k = 0; k < steps; ++k) {
+    // the call after this one starts at `next` (same stride): its first steps are prefetched by this one's last
+    const uint16_t* pf = k + dist < steps ? f + (k + dist) * stride : next ? next + (k + dist - steps) * stride : nullptr;
+    if (pf) {
+      const char* p0 = reinterpret_cast<const char*>(pf);
+      const char* p1 = reinterpret_cast<const char*>(pf + odd);
+      for (int l = 0; l < 1024; l += 1024 / lines) {
+        if (hint == 0) { _mm_prefetch(p0 + l, _MM_HINT_T0); _mm_prefetch(p1 + l, _MM_HINT_T0); }
+        else { _mm_prefetch(p0 + l, _MM_HINT_T1); _mm_prefetch(p1 + l, _MM_HINT_T1); }
+      }
+    }
+    uint16_t* o = slots + (k & 1) * 2 * KBLK;
+    transpose_pair(f + k * stride, f + k * stride + odd, o, o + KBLK);
+    _tile_loadd(4, a0 + k * KBLK, 64);
+    _tile_loadd(6, o, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, o + KBLK, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + k * KBLK, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, C, 128); _tile_stored(1, C + 16, 128); _tile_stored(2, C + 512, 128); _tile_stored(3, C + 528, 128);
+}
+
+enum class Pf { burst_l2, spread_l2, spread_l1, staged, none, in_kernel };
 // what a task does with its pieces: read every line only, transpose them only, multiply a stale scratch only
 // (the pieces still pass through L1), transpose and multiply into a scratch as the backend does above 32 rows,
 // or "fused" as it does up to 32: per output unit, each step is transposed into one of two 2 KiB slots right
@@ -120,6 +159,9 @@ struct Variant {
   int chunk = 8;   // steps transposed before they are multiplied
   bool old_transpose = false;
   bool cached = false;  // every task reads expert 0's first pieces
+  int hint = 0;         // in_kernel: 0 = T0, 1 = T1
+  bool carry = false;   // in_kernel: a call prefetches the next call's first steps
+  int lines = 16;       // in_kernel: lines prefetched per block
 };
 
 // the variants whose outputs are the layer's gradient (to be compared with the first one's)
@@ -154,6 +196,7 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
     if (i < STEPS) { prefetch_piece(piece(i, 0), hint); prefetch_piece(piece(i, 1), hint); }
   };
   const int hint = v.pf == Pf::spread_l1 ? 0 : 1;
+
   if (v.pf == Pf::spread_l2 || v.pf == Pf::spread_l1)
     for (int64_t i = 0; i < v.dist; ++i) pf_step(i, hint);
   const uint16_t* a = b.ggu + e * 2 * STEPS * KBLK;
@@ -166,13 +209,24 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
       for (int64_t i = i0; i < i1; ++i) read_step(i, sink);
     if (v.work == Work::fused) {  // the backend's kernel (transpose_pair inside: no old-transpose variant)
       const ktamx::ALayout la = ktamx::ALayout::tiles(STEPS * 32);
-      for (int64_t j = 0; j < G; ++j)
+      for (int64_t j = 0; j < G; ++j) {
         for (int64_t k0 = i0; k0 < i1;) {  // a run of steps in one matrix (the stride changes at NQ)
           const int64_t k1 = k0 < NQ ? std::min(i1, NQ) : i1;
-          ktamx::amxk::gemm_transposing(a + k0 * KBLK, la, M, piece(k0, 0) + j * KBLK, 2 * KB * KBLK, KB * KBLK,
-                                        k1 - k0, C + j * 1024, 32, k0 > 0, s);
+          // the next call: the next unit's same run, else the next run's first unit
+          const uint16_t* next = !v.carry ? nullptr
+                                 : k1 < i1 ? piece(k1, 0) + j * KBLK
+                                 : j + 1 < G ? piece(i0, 0) + (j + 1) * KBLK
+                                 : i1 < STEPS ? piece(i1, 0) : nullptr;
+          if (v.pf == Pf::in_kernel || v.pf == Pf::staged)  // staged: the kernel as shipped before, no prefetch
+            gemm_transposing_pf(a + k0 * KBLK, STEPS * KBLK, piece(k0, 0) + j * KBLK, 2 * KB * KBLK, KB * KBLK,
+                                k1 - k0, C + j * 1024, k0 > 0, s, v.pf == Pf::staged ? 1 << 20 : v.dist, v.hint,
+                                next, v.lines);
+          else
+            ktamx::amxk::gemm_transposing(a + k0 * KBLK, la, M, piece(k0, 0) + j * KBLK, 2 * KB * KBLK, KB * KBLK,
+                                          k1 - k0, C + j * 1024, 32, k0 > 0, s, next);
           k0 = k1;
         }
+      }
       continue;
     }
     for (int64_t i = i0; i < i1; ++i) {
@@ -364,9 +418,22 @@ int main(int argc, char** argv) {
       {"streams, staged, chunk 2", false, Pf::staged, 0, Work::both, 2},
       {"grouped, no prefetch", true, Pf::none, 0, Work::both},
       {"grouped, staged, chunk 8", true, Pf::staged, 0, Work::both},
-      {"fused, staged, chunk 8 (shipped)", false, Pf::staged, 0, Work::fused},
+      {"fused, staged, chunk 8 (shipped before)", false, Pf::staged, 0, Work::fused},
+      {"fused, backend kernel, chunk 8, carry (now shipped)", false, Pf::none, 0, Work::fused, 8, false, false, 0, true},
+      {"fused, backend kernel, chunk 8, no carry", false, Pf::none, 0, Work::fused, 8},
       {"fused, staged, chunk 2", false, Pf::staged, 0, Work::fused, 2},
-      {"fused, whole task, no prefetch", false, Pf::none, 0, Work::fused, STEPS},
+      {"fused, whole task, in-kernel T0 d=2", false, Pf::in_kernel, 2, Work::fused, STEPS, false, false, 0},
+      {"fused, chunk 8, in-kernel T0 d=2", false, Pf::in_kernel, 2, Work::fused, 8, false, false, 0},
+      {"fused, chunk 8, in-kernel T0 d=1", false, Pf::in_kernel, 1, Work::fused, 8, false, false, 0},
+      {"fused, chunk 8, in-kernel T0 d=3", false, Pf::in_kernel, 3, Work::fused, 8, false, false, 0},
+      {"fused, chunk 4, in-kernel T0 d=2", false, Pf::in_kernel, 2, Work::fused, 4, false, false, 0},
+      {"fused, chunk 16, in-kernel T0 d=2", false, Pf::in_kernel, 2, Work::fused, 16, false, false, 0},
+      {"fused, chunk 8, in-kernel T1 d=2", false, Pf::in_kernel, 2, Work::fused, 8, false, false, 1},
+      {"fused, chunk 8, in-kernel T0 d=2, 8 lines", false, Pf::in_kernel, 2, Work::fused, 8, false, false, 0, false, 8},
+      {"fused, chunk 8, in-kernel T0 d=2, carry", false, Pf::in_kernel, 2, Work::fused, 8, false, false, 0, true},
+      {"fused, chunk 8, in-kernel T0 d=1, carry", false, Pf::in_kernel, 1, Work::fused, 8, false, false, 0, true},
+      {"fused, chunk 4, in-kernel T0 d=2, carry", false, Pf::in_kernel, 2, Work::fused, 4, false, false, 0, true},
+      {"fused, whole task, backend kernel", false, Pf::none, 0, Work::fused, STEPS},
       {"cached: fused", false, Pf::none, 0, Work::fused, 8, false, true},
       {"cached: transpose + multiply", false, Pf::none, 0, Work::both, 8, false, true},
       {"cached: same, old transpose", false, Pf::none, 0, Work::both, 8, true, true},
