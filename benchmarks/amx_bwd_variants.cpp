@@ -196,7 +196,6 @@ static __m512i bwd_task(const Bufs& b, const Variant& v, int64_t e, int64_t g, u
     if (i < STEPS) { prefetch_piece(piece(i, 0), hint); prefetch_piece(piece(i, 1), hint); }
   };
   const int hint = v.pf == Pf::spread_l1 ? 0 : 1;
-
   if (v.pf == Pf::spread_l2 || v.pf == Pf::spread_l1)
     for (int64_t i = 0; i < v.dist; ++i) pf_step(i, hint);
   const uint16_t* a = b.ggu + e * 2 * STEPS * KBLK;
