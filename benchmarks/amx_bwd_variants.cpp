@@ -57,7 +57,8 @@ static void transpose_pair_old(const uint16_t* fa, const uint16_t* fb, uint16_t*
     }
     for (int c = 0; c < 4; ++c) {
       __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-      __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+      __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+      __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
       x[c] = _mm512_shuffle_i32x4(v, v2, 0x88); x[8 + c] = _mm512_shuffle_i32x4(v, v2, 0xDD);
       x[4 + c] = _mm512_shuffle_i32x4(w, w2, 0x88); x[12 + c] = _mm512_shuffle_i32x4(w, w2, 0xDD);
     }
@@ -121,7 +122,9 @@ static void gemm_transposing_pf(const uint16_t* A, int64_t group, const uint16_t
   }
   for (int64_t k = 0; k < steps; ++k) {
     // the call after this one starts at `next` (same stride): its first steps are prefetched by this one's last
-    const uint16_t* pf = k + dist < steps ? f + (k + dist) * stride : next ? next + (k + dist - steps) * stride : nullptr;
+    const uint16_t* pf = k + dist < steps ? f + (k + dist) * stride
+                         : next          ? next + (k + dist - steps) * stride
+                                         : nullptr;
     if (pf) {
       const char* p0 = reinterpret_cast<const char*>(pf);
       const char* p1 = reinterpret_cast<const char*>(pf + odd);
@@ -418,7 +421,8 @@ int main(int argc, char** argv) {
       {"grouped, no prefetch", true, Pf::none, 0, Work::both},
       {"grouped, staged, chunk 8", true, Pf::staged, 0, Work::both},
       {"fused, staged, chunk 8 (shipped before)", false, Pf::staged, 0, Work::fused},
-      {"fused, backend kernel, chunk 8, carry (now shipped)", false, Pf::none, 0, Work::fused, 8, false, false, 0, true},
+      {"fused, backend kernel, chunk 8, carry (now shipped)", false, Pf::none, 0, Work::fused, 8, false, false, 0,
+       true},
       {"fused, backend kernel, chunk 8, no carry", false, Pf::none, 0, Work::fused, 8},
       {"fused, staged, chunk 2", false, Pf::staged, 0, Work::fused, 2},
       {"fused, whole task, in-kernel T0 d=2", false, Pf::in_kernel, 2, Work::fused, STEPS, false, false, 0},

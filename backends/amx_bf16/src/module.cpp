@@ -93,9 +93,9 @@ constexpr int64_t kBwdGroup = 4;
 constexpr int64_t kTasksPerThread = 4;
 // Rows that fit one 32-row group (small batches, the memory-bound layer) run the fused schedule: on chunks of
 // kFusedSteps steps, each output unit transposes step after step into two small slots right before their tile
-// products (KernelTable::gemm_transposing, which prefetches the blocks a step ahead), C staying in tiles. More rows transpose a whole
-// part into the task's scratch, prefetching the pieces of step i + kPrefetchSteps into L1 while transposing
-// step i, then multiply every row chunk by it.
+// products (KernelTable::gemm_transposing, which prefetches the blocks a step ahead), C staying in tiles. More
+// rows transpose a whole part into the task's scratch, prefetching the pieces of step i + kPrefetchSteps into L1
+// while transposing step i, then multiply every row chunk by it.
 constexpr int64_t kFusedSteps = 8;
 constexpr int64_t kPrefetchSteps = 2;
 
@@ -105,14 +105,14 @@ inline void prefetch_blocks_l1(const uint16_t* b, int64_t n) {
 
 // A backward task's steps: step i's pieces are piece(i, 0) and piece(i, 1), n blocks each (one per output
 // unit); steps [0, split) and [split, steps) are separate parts (gate and up in bwd_gate_up): a run of products
-// never crosses `split`. multiply(i0, i1, acc) covers steps [i0, i1), adding to the partial sums when acc.
+// never crosses `split`. multiply(i0, i1, acc, ...) covers steps [i0, i1), adding to the partial sums when acc.
 
 // Fused (one row group): multiply(i0, i1, acc, next) runs gemm_transposing for each output unit on a chunk of
 // kFusedSteps steps, so the units of a task take their KiB of the same pieces close together in time. Each call
 // is told where the following one starts (next(j): unit j + 1's KiB of this chunk's pieces, after the last unit
-// the next chunk's), so its last step prefetches that call's first blocks (only a task's first step goes unprefetched).
-// Against reading a chunk's pieces first and then multiplying (shipped before): memory-bound backward 23.7 ->
-// 21.6 ms, DSV2 T=16 9.7 -> 8.8 ms (interleaved in one process, RESULTS.md).
+// the next chunk's), so its last step prefetches that call's first blocks; only a task's first step is not
+// prefetched. Against reading a chunk's pieces first, then multiplying (the schedule before): memory-bound
+// backward 23.7 -> 21.6 ms, DSV2 T=16 9.7 -> 8.8 ms (prefetching two steps ahead; RESULTS.md).
 template <class Piece, class Multiply>
 inline void multiply_fused(int64_t steps, int64_t split, int64_t n, const Piece& piece, const Multiply& multiply) {
   for (int64_t i0 = 0; i0 < steps;) {
