@@ -21,6 +21,7 @@ import torch
 from ktcore import hugepages
 from ktcore.expert_lora import has_down, has_gate_up, lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
+from ktcore.saved_buffers import Lease, SavedBufferPool
 
 _SLACK = 32  # extra rows after the row-major h buffer: AMX tiles read whole 16-row groups
 
@@ -84,6 +85,7 @@ class AMXSaved:
     u: torch.Tensor  # fp32 [R, I]
     h: torch.Tensor  # bf16 [R+slack, Ip]  silu(g) * u as the down projection saw it
     w_dtype: torch.dtype
+    lease: Lease  # owns g, u and h: they go back to the backend's pool with this context
 
 
 def _ld(n: int) -> int:
@@ -150,6 +152,7 @@ class AMXBF16Backend(ExpertBackendBase):
         pools = kt.kt_threadpool_count if kt.kt_tp_enabled else 1
         self._engine = ext.Engine(int(threads), int(pools), kernels)
         self._ws = _Workspace()
+        self._saved = SavedBufferPool()
 
     @property
     def num_threads(self) -> int:
@@ -236,12 +239,16 @@ class AMXBF16Backend(ExpertBackendBase):
         xs = self._gather(x, route, hp)
         prof("fwd.gather")
         ldh = _ld(ip)
-        h_shape = (R + _SLACK, ldh)
-        h = hugepages.empty(h_shape, torch.bfloat16) if save else self._ws.get("h", h_shape, torch.bfloat16)
+        lease = self._saved.lease() if save else None
+
+        def buffer(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            # saved for backward: leased from the pool; needed only within this call: the workspace's
+            return lease.empty(shape, dtype) if save else self._ws.get(name, shape, dtype)
+
+        h = buffer("h", (R + _SLACK, ldh), torch.bfloat16)
         self._zero_rows(h, R)
-        keep_gu = save or lora_gu
-        g = hugepages.empty((R, I), torch.float32) if keep_gu else None
-        u = hugepages.empty((R, I), torch.float32) if keep_gu else None
+        g = buffer("g", (R, I), torch.float32) if save or lora_gu else None
+        u = buffer("u", (R, I), torch.float32) if save or lora_gu else None
         off = route.offsets
         eng.gate_up(xs.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
                     packed.up.data_ptr(), E, H, I, h.data_ptr(), _addr(g), _addr(u), not lora_gu, ldh)
@@ -263,7 +270,7 @@ class AMXBF16Backend(ExpertBackendBase):
         prof("fwd.combine")
         if out_dtype != x.dtype:
             y = y.to(x.dtype)
-        ctx = AMXSaved(x, route, g, u, h, topk_weights.dtype) if save else None
+        ctx = AMXSaved(x, route, g, u, h, topk_weights.dtype, lease) if save else None
         return y, ctx
 
     # -- backward ------------------------------------------------------------------------------------------

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ktcore import hugepages
 from ktcore.expert_lora import has_down, has_gate_up, lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
+from ktcore.saved_buffers import Lease, SavedBufferPool
 
 from . import blocks as B
 
@@ -120,6 +120,7 @@ class _Saved:
     h: torch.Tensor  # act(g) * u
     out: torch.Tensor  # fp32 [R, H] expert outputs before the routing weights
     w_dtype: torch.dtype
+    lease: Optional[Lease] = None  # when set, owns g, u, h and out: they go back to the backend's pool with it
 
 
 class _Acts:
@@ -191,6 +192,7 @@ class LlamafileBackend(ExpertBackendBase):
         isa = isa or os.environ.get("KTCORE_LLAMAFILE_ISA", "auto")
         threads = self.config.kt_num_threads or len(os.sched_getaffinity(0))
         self._engine = _ext().Engine(int(threads), isa)
+        self._saved = SavedBufferPool()
 
     @property
     def isa(self) -> str:
@@ -372,7 +374,8 @@ class LlamafileBackend(ExpertBackendBase):
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         ids, wts, *route_arrays = _route_arrays(topk_ids, topk_weights, E, with_outputs=save)
         y = torch.empty(T, H, dtype=torch.float32)
-        saved = [hugepages.empty((T * K, n), torch.float32) for n in (I, I, I, H)] if save else []
+        lease = self._saved.lease() if save else None
+        saved = [lease.empty((T * K, n), torch.float32) for n in (I, I, I, H)] if save else []
         # without save, the routing and the intermediates stay in the engine's own buffers (addresses 0)
         R = self._engine.forward16(packed.native_layer, xf.data_ptr(), xf.stride(0), T, K, ids.data_ptr(),
                                    wts.data_ptr(), *[t.data_ptr() for t in route_arrays] or [0] * 4, y.data_ptr(),
@@ -382,7 +385,7 @@ class LlamafileBackend(ExpertBackendBase):
             offsets, order, row_tok, w_row = route_arrays
             g, u, h, out = (t[:R] for t in saved)
             ctx = _Saved(xf, _Route(T, K, R, offsets, row_tok[:R], order[:R], w_row[:R]), g, u, h, out,
-                         topk_weights.dtype)
+                         topk_weights.dtype, lease)
         return y.to(x.dtype), ctx
 
     def _act_mul(self, activation: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
