@@ -2,10 +2,10 @@
 
 Fresh memory is paid for on first touch: a page fault per 4 KiB page, or the zeroing of each 2 MiB huge page.
 A backend that allocated its saved activations anew on every forward paid that on every training step (the
-amx_bf16 memory-bound layer: up to 7,700 faults per forward+backward for its 32 MB of saved rows, as the
-C library happened to reuse freed memory or not). A pool keeps the
-buffers instead: a context's buffers go back to the pool when the context is garbage collected (after its
-backward), so each step's forwards reuse, already touched, what the previous step's backwards gave back.
+amx_bf16 memory-bound layer: up to 7,700 faults per forward+backward for its 32 MB of saved rows, as the C
+library happened to reuse freed memory or not). A pool keeps the buffers instead: a context's buffers go back
+to the pool when the context is garbage collected (after its backward), so each step's forwards reuse, already
+touched, what the previous step's backwards gave back.
 """
 
 from __future__ import annotations
