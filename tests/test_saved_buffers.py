@@ -34,7 +34,7 @@ def test_buffers_come_back_when_their_lease_is_gone():
 def test_best_fit_and_headroom():
     pool = SavedBufferPool()
     lease = pool.lease()
-    small, big = lease.empty((1000,), torch.uint8), lease.empty((100_000,), torch.uint8)
+    big, small = lease.empty((100_000,), torch.uint8), lease.empty((1000,), torch.uint8)  # big comes back first
     small_at, big_at = small.data_ptr(), big.data_ptr()
     del small, big, lease
     lease = pool.lease()
