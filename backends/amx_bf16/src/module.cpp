@@ -562,6 +562,27 @@ class Engine {
     return best;
   }
 
+  // Seconds for every thread of pool 0 to stream-read its share of [addr, addr + nbytes) once (addr 64-byte
+  // aligned, nbytes a multiple of 256). The benchmarks read a layer's own weights with it right before and after
+  // the layer's call: on a shared VM whose bandwidth moves from minute to minute, only an adjacent reading is
+  // that call's yardstick.
+  double read_seconds(uintptr_t addr, int64_t nbytes) {
+    if (addr % 64 || nbytes % 256)
+      throw std::invalid_argument("read_seconds: addr must be 64-byte aligned and nbytes a multiple of 256");
+    ThreadPool& pool = *pools_[0];
+    const int n = pool.num_threads();
+    const int64_t blocks = nbytes / 256;
+    volatile double sink = 0.0;
+    auto t0 = std::chrono::steady_clock::now();
+    pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t b0 = blocks * i / n, b1 = blocks * (i + 1) / n;
+        sink = sink + K_->read_sum(P<const char>(addr) + b0 * 256, (b1 - b0) * 256);
+      }
+    });
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
   double amx_peak(double seconds) {
     if (std::string(K_->name) != "amx") throw std::runtime_error("measure_amx_peak_gflops needs the amx kernels");
     ThreadPool& pool = *pools_[0];
@@ -718,5 +739,6 @@ PYBIND11_MODULE(_ext, m) {
       .def("memzero", &Engine::memzero, G())
       .def("bench_gemm", &Engine::bench_gemm, G())
       .def("read_bandwidth", &Engine::read_bandwidth, G())
+      .def("read_seconds", &Engine::read_seconds, G())
       .def("amx_peak", &Engine::amx_peak, G());
 }

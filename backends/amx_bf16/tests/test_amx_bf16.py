@@ -266,6 +266,16 @@ def test_measurements():
     assert _ext.measure_amx_peak_gflops(0.05) > 1.0
 
 
+def test_read_seconds_reads_the_given_memory_and_checks_its_alignment():
+    eng = _ext.Engine(2, 1, "portable")
+    buf = torch.ones(32 << 20, dtype=torch.int16)  # 64 MiB: page-aligned
+    secs = eng.read_seconds(buf.data_ptr(), buf.nbytes)
+    assert 0 < secs < buf.nbytes / 0.1e9  # at least 0.1 GB/s
+    for addr, nbytes in ((buf.data_ptr() + 2, 256), (buf.data_ptr(), 255)):
+        with pytest.raises(ValueError, match="64-byte aligned"):
+            eng.read_seconds(addr, nbytes)
+
+
 @pytest.mark.skipif(not AMX_REASON, reason="checks the error on CPUs without AMX")
 def test_amx_kernels_refused_without_amx():
     with pytest.raises(RuntimeError, match="cannot run here"):
