@@ -10,7 +10,8 @@ Measures in one run: DRAM read bandwidth (AVX-512 streaming read in the extensio
 No expert LoRA in these runs. The bandwidth is the median of three readings; every layer figure is the median of
 --rounds rounds, the two backends taking turns within a round (a shared VM drifts from minute to minute). The
 memory- and compute-bound layers are also timed paired: every call between two readings of its yardstick (a read
-of the layer's own weights; the tile-only peak), so the ratio does not depend on when the run's reading was taken.
+of the layer's own weights; the tile-only peak), so each ratio uses a reading taken next to the call (on the shared
+VM the ratios still move from run to run: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -564,8 +564,8 @@ class Engine {
 
   // Seconds for every thread of pool 0 to stream-read its share of [addr, addr + nbytes) once (addr 64-byte
   // aligned, nbytes a multiple of 256). The benchmarks read a layer's own weights with it right before and after
-  // the layer's call: on a shared VM whose bandwidth moves from minute to minute, only an adjacent reading is
-  // that call's yardstick.
+  // the layer's call: on a shared VM whose bandwidth moves from minute to minute, a reading next to the call is
+  // the closest yardstick it has.
   double read_seconds(uintptr_t addr, int64_t nbytes) {
     if (addr % 64 || nbytes % 256)
       throw std::invalid_argument("read_seconds: addr must be 64-byte aligned and nbytes a multiple of 256");
