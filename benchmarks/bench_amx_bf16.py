@@ -56,8 +56,7 @@ class Paired:
 def paired(layer, reference, min_time, min_reps=10):
     """Calls of ``layer`` (which returns the seconds it timed), each between two readings of ``reference``
     (seconds the same work takes at the machine's rate measured right then) and compared with the faster of
-    the two. A shared VM's bandwidth and tile rate move from minute to minute: a reading taken once per run can
-    be far from the one the layer ran at."""
+    the two."""
     layer()  # warm-up
     times, ratios = [], []
     before = reference()
