@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ktcore.experts import ExpertWeights
-from ktcore.select import get_backend
+from ktcore.plugins.select import get_backend
 from ktcore_amx_bf16 import _ext
 from ktcore_amx_bf16.backend import AMXBF16Backend
 

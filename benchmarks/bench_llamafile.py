@@ -4,7 +4,7 @@ Experts are random GGUF blocks (valid small fp16 scales) packed zero-copy with `
 numbers measure the kernels, not a quantiser. Reports:
 
 * decode T=1..4: time per forward and effective read rate = bytes of the touched experts' blocks / time, as a
-  percentage of ``ktcore.doctor.measure_read_bandwidth()`` (the number ``ktcore doctor`` prints). On a shared
+  percentage of ``ktcore.commands.doctor.measure_read_bandwidth()`` (the number ``ktcore doctor`` prints). On a shared
   machine both swing from moment to moment, so the bandwidth is the median of three measurements and each decode
   row the median of ``--rounds`` rounds of ``--iters`` calls (fresh routing every call);
 * prefill T=512: forward time vs. "dequantise the touched experts (ktcore_llamafile's C++ dequantiser) and
@@ -97,7 +97,7 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",")]
     torch.set_num_threads(args.threads)
 
-    from ktcore.doctor import measure_read_bandwidth
+    from ktcore.commands.doctor import measure_read_bandwidth
     from ktcore_llamafile.backend import LlamafileBackend
 
     bw = statistics.median(measure_read_bandwidth() for _ in range(3))

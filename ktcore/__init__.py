@@ -14,21 +14,21 @@ __all__ = ["hookimpl", "load_model", "wrap_model", "get_backend", "list_plugins"
 
 def load_model(path, config=None, **kwargs):
     """Build an HF model from ``path`` with its routed experts streamed into the CPU backend."""
-    from .loading import load_model as _load
+    from .weights.loading import load_model as _load
 
     return _load(path, config, **kwargs)
 
 
 def wrap_model(model, config=None):
     """Move the routed experts of an in-memory HF model into the CPU backend (in place); returns the model."""
-    from .wrap import wrap_model as _wrap
+    from .model.wrap import wrap_model as _wrap
 
     return _wrap(model, config)
 
 
 def get_backend(name="auto", config=None, **kwargs):
     """An ExpertBackend instance: ``name`` is a backend name or "auto"."""
-    from .select import get_backend as _get
+    from .plugins.select import get_backend as _get
 
     return _get(name, config, **kwargs)
 

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from .errors import ConfigError
-from .placement import parse_rules
+from .model.placement import parse_rules
 
 
 def _key(doc: str, choices: tuple = (), default=MISSING, default_factory=MISSING):

@@ -21,7 +21,8 @@ def shared_data():
 
 @pytest.fixture(autouse=True)
 def _fresh_registry():
-    from ktcore import hw, plugins
+    from ktcore import plugins
+    from ktcore.plugins import hw
 
     plugins.reset_registry()
     hw._detect.cache_clear()

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import ktcore
 from ktcore import adapters as core
 from ktcore.adapters import AdapterError
-from ktcore.cli import main
+from ktcore.commands.cli import main
 from ktcore.testing import relative_error
 
 FE = "fused_expert_lora.safetensors"
@@ -307,7 +307,7 @@ def test_unsupported_peft_config_refused(trained, tmp_path):
 @pytest.fixture(scope="module")
 def identity_run(tmp_path_factory):
     """The demo's tiny model trained through `ktcore train` on a few identity examples (name: KTBot)."""
-    from ktcore.demo import build_demo_files
+    from ktcore.commands.demo import build_demo_files
 
     identity = SHARED_DATA / "identity.json"
     if not identity.is_file():

@@ -9,10 +9,10 @@ from archs import FAMILIES, MOE_LAYERS, tiny_model
 from peft import LoraConfig, get_peft_model
 
 import ktcore
-from ktcore.lora import lora_targets
+from ktcore.model.peft_expert_lora import lora_targets
 from ktcore.testing import relative_error
 from ktcore.weights.safetensors_reader import CheckpointError
-from ktcore.wrap import find_arch
+from ktcore.model.wrap import find_arch
 
 TORCH = {"kt_backend": "torch"}
 
@@ -80,7 +80,7 @@ def test_load_model_from_safetensors_matches(tmp_path, family):
 def test_list_archs_names_hf_classes():
     from click.testing import CliRunner
 
-    from ktcore.cli import main
+    from ktcore.commands.cli import main
 
     out = CliRunner().invoke(main, ["list-archs"]).output
     for cls in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",

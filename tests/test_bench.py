@@ -4,7 +4,7 @@ import json
 
 from click.testing import CliRunner
 
-from ktcore.cli import main
+from ktcore.commands.cli import main
 
 
 def test_bench_kernels_reports_every_backend_against_torch():

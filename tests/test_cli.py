@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from fakedist import clean_plugin_env, fake_dists  # noqa: E402,F401  (pytest fixtures)
 
 import ktcore  # noqa: E402
-from ktcore.cli import main  # noqa: E402
+from ktcore.commands.cli import main  # noqa: E402
 
 # A frontend, an adapter format and a backend from one third-party distribution. The frontend's run records
 # what it was given instead of training.

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def test_demo_short_run(tmp_path):
     from transformers import AutoTokenizer
 
-    from ktcore.demo import run_demo
+    from ktcore.commands.demo import run_demo
 
     result = run_demo(tmp_path / "demo", steps=60, quiet=True)
     assert result["steps"] == 60 and len(result["losses"]) == 60
@@ -33,7 +33,7 @@ def test_demo_short_run(tmp_path):
 def test_demo_cli_rebuild_is_reused(tmp_path):
     """A second build into the same workdir keeps the model and rewrites data and YAML."""
     from ktcore.config import load_config
-    from ktcore.demo import build_demo_files
+    from ktcore.commands.demo import build_demo_files
 
     first = build_demo_files(tmp_path, steps=5)
     stamp = (first["model_dir"] / "config.json").stat().st_mtime_ns

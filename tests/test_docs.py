@@ -3,7 +3,7 @@
 from dataclasses import fields
 from pathlib import Path
 
-from ktcore.cli import main
+from ktcore.commands.cli import main
 from ktcore.config import KT_SECTION_KEYS, KTConfig, TrainConfig
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()

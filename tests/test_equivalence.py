@@ -8,7 +8,7 @@ from ktcore_tiny import tiny_qwen3_moe
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import ktcore
-from ktcore.placeholder import ExpertWeightsUnavailable, is_placeholder
+from ktcore.model.placeholder import ExpertWeightsUnavailable, is_placeholder
 from ktcore.testing import relative_error
 
 TORCH = {"kt_backend": "torch"}
@@ -198,7 +198,7 @@ def test_gpu_attention_cpu_experts_bf16(tmp_path):
 
 
 def _usable(name):
-    from ktcore.select import resolve_backend
+    from ktcore.plugins.select import resolve_backend
 
     reasons = resolve_backend("auto", need_backward=True, need_lora=True).reasons
     if name not in reasons:

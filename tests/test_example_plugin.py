@@ -65,7 +65,7 @@ def test_example_is_discovered_and_listed_lazily():
 
 
 def test_auto_keeps_the_builtin_torch_backend():
-    from ktcore.select import resolve_backend
+    from ktcore.plugins.select import resolve_backend
 
     choice = resolve_backend("auto", need_backward=True, need_lora=True)
     assert choice.spec.name == "torch"

@@ -18,7 +18,7 @@ from test_archs import TORCH, assert_equivalent
 import ktcore
 from ktcore.testing import relative_error
 from ktcore.weights.safetensors_reader import CheckpointError
-from ktcore.wrap import find_arch, module_weights
+from ktcore.model.wrap import find_arch, module_weights
 
 gguf = pytest.importorskip("gguf")
 
@@ -274,7 +274,7 @@ def test_smollm2_logits_match_transformers_gguf(smollm2):
 
 def test_smollm2_chat_answers_paris(smollm2):
     _, ours, tokenizer = smollm2
-    from ktcore.chat import reply
+    from ktcore.commands.chat import reply
     from ktcore.config import TrainConfig
 
     answer = reply(ours, tokenizer, [{"role": "user", "content": "What is the capital of France?"}],

@@ -1,4 +1,4 @@
-"""ktcore.hugepages: large packed-weight buffers 2 MiB-aligned and on transparent huge pages."""
+"""ktcore.experts.hugepages: large packed-weight buffers 2 MiB-aligned and on transparent huge pages."""
 
 import re
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ktcore import hugepages
+from ktcore.experts import hugepages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from fakedist import clean_plugin_env, fake_dists  # noqa: E402,F401  (pytest fixtures)
 
 import ktcore  # noqa: E402
-from ktcore import hookspecs  # noqa: E402
+from ktcore.plugins import hookspecs  # noqa: E402
 from ktcore.plugins import (  # noqa: E402
     PluginConflictError,
     PluginError,
@@ -421,7 +421,7 @@ def test_unknown_frontend_lists_frontends(fake_dists):
 def test_listing_does_not_import_backend_code(fake_dists):
     from click.testing import CliRunner
 
-    from ktcore.cli import main
+    from ktcore.commands.cli import main
 
     impl = fake_dists.backend("ktcore-fake-lazy", "lazyb", probe="lambda: None")
     runner = CliRunner()
@@ -438,7 +438,7 @@ def test_listing_does_not_import_torch_or_frontends():
     """In a fresh interpreter, listing every kind imports no torch, transformers or training frontend."""
     code = (
         "import sys\n"
-        "from ktcore.cli import main\n"
+        "from ktcore.commands.cli import main\n"
         "for args in (['plugins', '--all', '--json'], ['list-backends', '--explain'], ['list-archs'],\n"
         "             ['list-frontends'], ['list-adapter-formats']):\n"
         "    try:\n"

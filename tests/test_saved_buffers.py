@@ -1,10 +1,10 @@
-"""ktcore.saved_buffers: saved activations reuse the memory of contexts that are gone, never of live ones."""
+"""ktcore.experts.saved_buffers: saved activations reuse the memory of contexts that are gone, never of live ones."""
 
 import gc
 
 import torch
 
-from ktcore.saved_buffers import SavedBufferPool
+from ktcore.experts.saved_buffers import SavedBufferPool
 
 
 def _addresses(*tensors):

@@ -14,11 +14,11 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from fakedist import BACKEND_CLASS, clean_plugin_env, fake_dists  # noqa: E402,F401  (pytest fixtures)
 
 import ktcore  # noqa: E402
-from ktcore import hw  # noqa: E402
-from ktcore.cli import main  # noqa: E402
-from ktcore.hw import CpuInfo  # noqa: E402
+from ktcore.plugins import hw  # noqa: E402
+from ktcore.commands.cli import main  # noqa: E402
+from ktcore.plugins.hw import CpuInfo  # noqa: E402
 from ktcore.plugins import UnknownPluginError  # noqa: E402
-from ktcore.select import resolve_backend  # noqa: E402
+from ktcore.plugins.select import resolve_backend  # noqa: E402
 
 AMX = "amx_tile,amx_bf16,amx_int8,avx512f,avx512bw,avx512_bf16,avx512_vnni,avx2,fma"
 AVX512 = "avx512f,avx512bw,avx512_bf16,avx512_vnni,avx2,fma"

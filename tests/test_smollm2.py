@@ -75,7 +75,7 @@ def test_chat_command_answers_paris(smollm2, capfd):
 
     from click.testing import CliRunner
 
-    from ktcore.cli import main
+    from ktcore.commands.cli import main
 
     example = Path(__file__).resolve().parents[1] / "examples" / "smollm2.yaml"
     result = CliRunner().invoke(main, ["chat", str(example), "--prompt", "What is the capital of France?",

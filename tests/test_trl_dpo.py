@@ -22,7 +22,7 @@ pytest.importorskip("ktcore_trl", reason="the TRL frontend package is not instal
 
 from ktcore_tiny import tiny_qwen3_moe  # noqa: E402
 from ktcore.config import config_from_dict  # noqa: E402
-from ktcore.demo import build_byte_tokenizer  # noqa: E402
+from ktcore.commands.demo import build_byte_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ pytest.importorskip("ktcore_trl", reason="the TRL frontend package is not instal
 from click.testing import CliRunner  # noqa: E402
 
 from ktcore_tiny import tiny_qwen3_moe  # noqa: E402
-from ktcore.cli import main  # noqa: E402
-from ktcore.demo import build_byte_tokenizer  # noqa: E402
+from ktcore.commands.cli import main  # noqa: E402
+from ktcore.commands.demo import build_byte_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

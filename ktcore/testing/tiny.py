@@ -8,7 +8,7 @@ from pathlib import Path
 def save_tiny_chat_moe(out, seed: int = 0) -> Path:
     """Saves a random Qwen3-MoE (6 routed experts, top-2, hidden 48) and a byte-level tokenizer with a chat
     template into ``out``; returns it."""
-    from ktcore.demo import build_byte_tokenizer, build_tiny_moe
+    from ktcore.commands.demo import build_byte_tokenizer, build_tiny_moe
 
     out = Path(out)
     tokenizer = build_byte_tokenizer()

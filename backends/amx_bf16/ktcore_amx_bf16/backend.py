@@ -18,10 +18,10 @@ from typing import Optional
 
 import torch
 
-from ktcore import hugepages
-from ktcore.expert_lora import has_down, has_gate_up, lora_backward, lora_forward
+from ktcore.experts import hugepages
+from ktcore.experts.lora_math import has_down, has_gate_up, lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
-from ktcore.saved_buffers import Lease, SavedBufferPool
+from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 
 _SLACK = 32  # extra rows after the row-major h buffer: AMX tiles read whole 16-row groups
 

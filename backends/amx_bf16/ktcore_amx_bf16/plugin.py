@@ -10,7 +10,7 @@ from ktcore.specs import ExpertBackendSpec
 
 def probe() -> Optional[str]:
     """None when this process can run the AMX kernels, else why not (never executes an AMX instruction)."""
-    from ktcore.hw import cpu_info
+    from ktcore.plugins.hw import cpu_info
 
     cpu = cpu_info()
     missing = cpu.missing(("amx_tile", "amx_bf16", "avx512f", "avx512_bf16"))

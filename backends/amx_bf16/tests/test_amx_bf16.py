@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ktcore
-import ktcore.hw
+import ktcore.plugins.hw
 import ktcore.plugins
 from ktcore.experts import ExpertLoRA, ExpertWeights
 from ktcore.testing import ExpertBackendContract
@@ -221,10 +221,10 @@ def test_forward_only_returns_no_context():
 @pytest.fixture
 def fresh_registry():
     ktcore.plugins.reset_registry()
-    ktcore.hw._detect.cache_clear()
+    ktcore.plugins.hw._detect.cache_clear()
     yield
     ktcore.plugins.reset_registry()
-    ktcore.hw._detect.cache_clear()
+    ktcore.plugins.hw._detect.cache_clear()
 
 
 def test_listed_without_loading_extension(fresh_registry):
@@ -238,10 +238,10 @@ def test_listed_without_loading_extension(fresh_registry):
 
 
 def test_unavailable_without_amx_flags(monkeypatch, fresh_registry):
-    from ktcore.select import get_backend, resolve_backend
+    from ktcore.plugins.select import get_backend, resolve_backend
 
     monkeypatch.setenv("KTCORE_CPU_FLAGS", "avx2,fma")
-    ktcore.hw._detect.cache_clear()
+    ktcore.plugins.hw._detect.cache_clear()
     choice = resolve_backend("auto")
     assert choice.spec is not None and choice.spec.name != "amx_bf16"
     reason = choice.reasons["amx_bf16"]

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ktcore.expert_lora import has_down, has_gate_up, lora_backward, lora_forward
+from ktcore.experts.lora_math import has_down, has_gate_up, lora_backward, lora_forward
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
-from ktcore.saved_buffers import Lease, SavedBufferPool
+from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 
 from . import blocks as B
 

@@ -12,7 +12,7 @@ FORMATS = ("auto", "gguf", "f32", "fp32", "f16", "bf16", "q4_0", "q4_1", "q8_0",
 
 def probe() -> Optional[str]:
     """None when this process can run the kernels, else why not."""
-    from ktcore.hw import cpu_info
+    from ktcore.plugins.hw import cpu_info
 
     missing = cpu_info().missing(("avx2", "fma"))
     if missing:

@@ -16,7 +16,7 @@ NO_AMX = "avx2,fma,f16c,avx,sse4_2"
 
 
 def test_auto_picks_llamafile_without_amx(monkeypatch):
-    from ktcore.select import resolve_backend
+    from ktcore.plugins.select import resolve_backend
 
     monkeypatch.setenv("KTCORE_CPU_FLAGS", NO_AMX)
     for fmt in ("gguf", "q8_0", "q4_k", "auto"):
@@ -124,7 +124,7 @@ def test_smollm2_logits_match_transformers_dequantised(smollm2):
 
 def test_smollm2_answers_paris(smollm2):
     _, _, ours, tokenizer = smollm2
-    from ktcore.chat import reply
+    from ktcore.commands.chat import reply
     from ktcore.config import TrainConfig
 
     answer = reply(ours, tokenizer, [{"role": "user", "content": "What is the capital of France?"}],
@@ -135,7 +135,7 @@ def test_smollm2_answers_paris(smollm2):
 def test_convert_then_load(tmp_path):
     from click.testing import CliRunner
 
-    from ktcore.cli import main
+    from ktcore.commands.cli import main
     from ktcore.weights.gguf_reader import GGUFFile
 
     path = _smollm2_path()

@@ -61,7 +61,7 @@ def load_kt_pretrained_model(config, model_args):
 
 
 def _arch_of(model):
-    from ktcore.wrap import find_arch
+    from ktcore.model.wrap import find_arch
 
     info = getattr(model, "ktcore", None)
     return info.arch if info is not None else find_arch(model.config)
@@ -74,7 +74,7 @@ def get_kt_peft_model(model, peft_kwargs: dict[str, Any]):
     the routed experts. An explicit ``target_parameters`` is used as given."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    from ktcore.lora import lora_targets
+    from ktcore.model.peft_expert_lora import lora_targets
 
     kwargs = {k: v for k, v in dict(peft_kwargs).items() if v is not None}
     targets = kwargs.pop("target_modules", "all")

@@ -146,8 +146,8 @@ def attach_lora(model, cfg):
 
 def lora_config(model, cfg):
     """The peft.LoraConfig the YAML asks for (expert LoRA in PEFT's target_parameters layout)."""
-    from ktcore.lora import lora_config_for
-    from ktcore.wrap import find_arch
+    from ktcore.model.peft_expert_lora import lora_config_for
+    from ktcore.model.wrap import find_arch
 
     info = getattr(model, "ktcore", None)
     arch = info.arch if info is not None else find_arch(model.config)

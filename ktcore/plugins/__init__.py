@@ -21,9 +21,9 @@ from typing import Iterable, Optional
 
 import pluggy
 
+from ..errors import PluginError
+from ..specs import SPEC_TYPES
 from . import hookspecs
-from .errors import PluginError
-from .specs import SPEC_TYPES
 
 ENTRY_POINT_GROUP = "ktcore"
 BUILTIN_DIST = "ktcore"

@@ -131,7 +131,7 @@ class ExpertBackendBase:
     name = "base"
 
     def __init__(self, config=None):
-        from .config import as_kt_config
+        from ..config import as_kt_config
 
         self.config = as_kt_config(config)
         self._executor: Optional[ThreadPoolExecutor] = None

@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from . import __version__
-from .errors import KtcoreError
-from .plugins import get_registry
+from .. import __version__
+from ..errors import KtcoreError
+from ..plugins import get_registry
 
 
 class KtcoreGroup(click.Group):
@@ -54,7 +54,7 @@ def plugins_cmd(show_all, as_json):
 @click.option("--explain", is_flag=True, help="say why each backend is or is not chosen by auto")
 def list_backends(as_json, explain):
     """Expert backends; the row `auto` picks on this machine is marked with *."""
-    from .select import resolve_backend
+    from ..plugins.select import resolve_backend
 
     choice = resolve_backend("auto", need_backward=True, need_lora=True)  # what training (wrap_model) picks
     registry = get_registry()
@@ -119,8 +119,8 @@ def doctor(as_json, seconds):
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def train(config_path, frontend, overrides):
     """Train the LoRA adapter described by CFG.yaml with a frontend (KEY=VALUE overrides keys)."""
-    from .config import load_config
-    from .frontends import run_frontend
+    from ..config import load_config
+    from ..frontends import run_frontend
 
     cfg = load_config(config_path, overrides)
     summary = run_frontend(frontend, cfg)
@@ -134,7 +134,7 @@ def train(config_path, frontend, overrides):
 def chat(config_path, prompt, overrides):
     """Talk to the model CFG.yaml describes (routed experts on the CPU backend, its adapter if any)."""
     from .chat import run_chat
-    from .config import load_config
+    from ..config import load_config
 
     run_chat(load_config(config_path, overrides), prompt=prompt)
 
@@ -168,7 +168,7 @@ def adapter():
 @click.option("--base", default=None, help="local base model (default: the adapter's base_model_name_or_path)")
 def adapter_convert(src, dst, to, base):
     """Convert the adapter SRC (format sniffed) into DST in format --to."""
-    from .adapters import convert
+    from ..adapters import convert
 
     click.echo(json.dumps(convert(src, dst, to, base=base), indent=2))
 
@@ -178,7 +178,7 @@ def adapter_convert(src, dst, to, base):
 @click.option("--base", default=None, help="check against this local base model")
 def adapter_verify(path, base):
     """Validate an adapter (format sniffed) and print every check that passed."""
-    from .adapters import verify
+    from ..adapters import verify
 
     name, checks = verify(path, base=base)
     click.echo(f"{path}: {name} adapter OK")
@@ -193,7 +193,7 @@ def adapter_verify(path, base):
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def export_cmd(config_path, out, shard_size, overrides):
     """Merge adapter_name_or_path into model_name_or_path as a standalone safetensors model."""
-    from .config import load_config
+    from ..config import load_config
     from .export import export_merged
 
     summary = export_merged(load_config(config_path, overrides), out, max_shard_bytes=int(shard_size * (1 << 30)))
@@ -218,7 +218,7 @@ def bench():
 def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, as_json):
     """Expert-layer forward/backward of each backend vs the torch reference, DRAM bandwidth and bf16 peak."""
     from .bench import format_table, run
-    from .select import get_backend, resolve_backend
+    from ..plugins.select import get_backend, resolve_backend
 
     if not backend_names:
         choice = resolve_backend("auto", need_backward=backward)

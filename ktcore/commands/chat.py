@@ -6,7 +6,7 @@ import importlib.metadata
 from pathlib import Path
 from typing import Callable, Optional
 
-from .config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig
 
 PACKAGE_PREFIX = "package:"
 
@@ -39,7 +39,7 @@ def load_for_chat(cfg: TrainConfig):
     """(model, tokenizer) for inference: ktcore experts when use_kt, the adapter when one is named."""
     import torch
 
-    from .loading import load_model
+    from ..weights.loading import load_model
 
     if not cfg.model_name_or_path:
         raise ConfigError(f"{cfg.source or '<config>'}: model_name_or_path is required")
@@ -56,7 +56,7 @@ def load_for_chat(cfg: TrainConfig):
         model = AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, **kwargs)
         model.to("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.adapter_name_or_path:  # any installed adapter format, sniffed and validated
-        from .adapters import load_adapter_into
+        from ..adapters import load_adapter_into
 
         model = load_adapter_into(model, cfg.adapter_name_or_path, base=path)
     return model.eval(), tokenizer

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .hw import KNOWN_FLAGS, cpu_info, total_memory_bytes
+from ..plugins.hw import KNOWN_FLAGS, cpu_info, total_memory_bytes
 
 
 def _best_rate(fn, seconds: float, work: float) -> float:
@@ -82,7 +82,7 @@ def collect(seconds: float = 0.5) -> dict:
     peak, source = measure_amx_peak_gflops(seconds)
     report["amx_bf16_peak_gflops"] = None if peak is None else round(peak, 1)
     report["amx_bf16_peak_source"] = source
-    from .select import resolve_backend
+    from ..plugins.select import resolve_backend
 
     choice = resolve_backend("auto", need_backward=True, need_lora=True)
     report["auto_backend"] = choice.spec.name if choice.spec else None

@@ -43,7 +43,7 @@ MODEL_CONFIG = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size
                     num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                     max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.125)
 DEFAULT_STEPS = 800
-TEMPLATE_YAML = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+TEMPLATE_YAML = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
 
 # ---- building blocks (also used by the tests) ----------------------------------------------------------------

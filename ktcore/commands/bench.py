@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .experts import ExpertWeights
+from ..experts import ExpertWeights
 
 
 @dataclass(frozen=True)

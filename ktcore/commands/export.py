@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .adapters import AdapterError, atomic_dir, atomic_write_bytes, layer_of, load
+from ..adapters import AdapterError, atomic_dir, atomic_write_bytes, layer_of, load
 
 SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
@@ -74,9 +74,9 @@ def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None) -> dic
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .chat import resolve_model_path
-    from .config import ConfigError
-    from .weights.safetensors_reader import SafetensorsCheckpoint
-    from .wrap import find_arch
+    from ..config import ConfigError
+    from ..weights.safetensors_reader import SafetensorsCheckpoint
+    from ..model.wrap import find_arch
 
     if not cfg.model_name_or_path:
         raise ConfigError(f"{cfg.source or '<config>'}: model_name_or_path is required")
@@ -101,7 +101,7 @@ def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None) -> dic
 
     written, merged = 0, 0
     with SafetensorsCheckpoint(base, fp8_block) as ckpt, atomic_dir(out) as tmp:
-        from .loading import checkpoint_names
+        from ..weights.loading import checkpoint_names
 
         names = {model_name: key for model_name, key in checkpoint_names(ckpt, arch).items()}
         plan = _plan(adapter, arch, ckpt, names, meta_model)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..specs import ExpertBackendSpec, import_object
+from . import Registry, get_registry
 from .hw import CpuInfo, cpu_info
-from .plugins import Registry, get_registry
-from .specs import ExpertBackendSpec, import_object
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,8 @@ def resolve_backend(name: str = "auto", *, weight_format: str = "auto", need_bac
 def get_backend(name: str = "auto", config=None, *, need_backward: bool = False, need_lora: bool = False,
                 registry: Optional[Registry] = None):
     """Instantiate the chosen backend with ``config`` (anything ``as_kt_config`` takes)."""
-    from .config import as_kt_config
-    from .plugins import UnknownPluginError
+    from ..config import as_kt_config
+    from . import UnknownPluginError
 
     kt = as_kt_config(config)
     if name == "auto":

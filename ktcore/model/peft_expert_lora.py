@@ -2,7 +2,7 @@
 
 PEFT wraps each targeted expert parameter in a ``ParamWrapper`` and, while it runs, parametrizes it as
 ``W + scaling * lhs @ rhs``. ktcore's placeholders turn that into a record of the factors
-(``ktcore.placeholder``); this module reads them back as an ``ExpertLoRA`` for the backend, and builds the
+(``ktcore.model.placeholder``); this module reads them back as an ``ExpertLoRA`` for the backend, and builds the
 PEFT ``LoraConfig`` for a training YAML.
 """
 
@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .experts import ExpertLoRA
+from ..experts import ExpertLoRA
 from .placeholder import is_placeholder
 
 

@@ -9,7 +9,7 @@ def ktcore_register_expert_backends():
     return [
         ExpertBackendSpec(
             name="torch",
-            factory="ktcore.builtin.torch_backend:TorchExpertBackend",
+            factory="ktcore.builtin.torch_backend.backend:TorchExpertBackend",
             required_cpu_features=(),
             weight_formats=("auto", "fp32", "bf16"),
             supports_backward=True,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from .config import ConfigError, TrainConfig
-from .plugins import PluginError, get_registry
-from .specs import FrontendSpec, import_object
+from ..config import ConfigError, TrainConfig
+from ..plugins import PluginError, get_registry
+from ..specs import FrontendSpec, import_object
 
 
 def missing_packages(spec: FrontendSpec) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .loading import _resolve_dtype, fill_model
-from .weights.gguf_reader import GGUFFile, GGUFWeights, gguf_config
+from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 
 
 def load_gguf_model(path, config=None, *, device=None, dtype=None, need_backward: bool = True,

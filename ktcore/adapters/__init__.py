@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .config import ConfigError
+from ..config import ConfigError
 
 PEFT_PREFIX = "base_model.model."
 PEFT_CONFIG = "adapter_config.json"
@@ -466,15 +466,15 @@ def resolve_base(adapter_base: Optional[str], base=None) -> Optional[Path]:
 
 
 def format_names() -> list[str]:
-    from .plugins import get_registry
+    from ..plugins import get_registry
 
     return sorted(get_registry().specs("adapter_format"))
 
 
 def get_format(name: str):
     """An instance of the adapter-format plugin ``name``."""
-    from .plugins import get_registry
-    from .specs import import_object
+    from ..plugins import get_registry
+    from ..specs import import_object
 
     spec = get_registry().get("adapter_format", name)
     return import_object(spec.factory)()

@@ -13,14 +13,14 @@ from typing import Optional
 
 import torch
 
-from .config import KTConfig, as_kt_config
-from .dense import PROJECTIONS, OffloadedMLP, dense_weights
-from .experts import ActivationBudget, ExpertLayer, ExpertWeights
-from .lora import expert_lora_of
+from ..config import KTConfig, as_kt_config
+from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
+from ..plugins import UnknownPluginError, get_registry
+from ..specs import ArchSpec
+from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
+from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
-from .plugins import UnknownPluginError, get_registry
-from .specs import ArchSpec
 
 EXPERTS_IMPLEMENTATION = "ktcore"
 GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for layers placed on the GPU
@@ -147,7 +147,7 @@ def install_layer(model, name: str, module, layer: ExpertLayer, arch: ArchSpec, 
 
 def prepare(model, config, need_backward: bool = True):
     """Common set-up of wrap_model and load_model: (KTConfig, arch, backend, budget, experts modules)."""
-    from .select import get_backend
+    from ..plugins.select import get_backend
 
     if hasattr(model, "peft_config"):
         raise ValueError("wrap the base model with ktcore before PEFT (get_peft_model / PeftModel.from_pretrained)")
@@ -165,7 +165,7 @@ def prepare(model, config, need_backward: bool = True):
 
 def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True) -> dict:
     """experts module name -> the backend computing it, or None for a layer kept on the model's device."""
-    from .select import get_backend
+    from ..plugins.select import get_backend
 
     rules = parse_rules(kt.kt_placement, "kt_config")
     backends = {kt.kt_backend: default_backend}

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .experts import ExpertLayer, ExpertLoRA, ExpertWeights
+from ..experts import ExpertLayer, ExpertLoRA, ExpertWeights
 from .placeholder import ExpertWeightPlaceholder
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .experts import ExpertLayer, ExpertWeights
-from .weights.safetensors_reader import CheckpointError, SafetensorsCheckpoint
-from .wrap import (activation_name, canonical_weights, finish, install_layer, install_resident, plan_placement,
+from ..experts import ExpertLayer, ExpertWeights
+from .safetensors_reader import CheckpointError, SafetensorsCheckpoint
+from ..model.wrap import (activation_name, canonical_weights, finish, install_layer, install_resident, plan_placement,
                    prepare)
 
 PARTS = ("gate", "up", "down")

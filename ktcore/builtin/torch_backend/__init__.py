@@ -1,0 +1,1 @@
+"""Built-in plugin: the pure-PyTorch reference expert backend."""

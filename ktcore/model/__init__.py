@@ -1,0 +1,1 @@
+"""Model integration: ktcore in transformers (experts wrapped, placeholders, expert LoRA, dense MLPs, placement)."""
