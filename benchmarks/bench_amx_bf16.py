@@ -26,8 +26,9 @@ from typing import Callable
 
 import torch
 
+import ktcore
+from ktcore.config import KTConfig
 from ktcore.experts import ExpertWeights
-from ktcore.plugins.select import get_backend
 from ktcore_amx_bf16 import _ext
 from ktcore_amx_bf16.backend import AMXBF16Backend
 
@@ -282,8 +283,8 @@ def main():
         raise SystemExit(f"amx_bf16 cannot run on this machine: {why}")
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    amx = AMXBF16Backend({"kt_backend": "amx_bf16", "kt_num_threads": args.threads or threads})
-    tb = get_backend("torch", {"kt_backend": "torch", "kt_expert_weight_format": "bf16"})
+    amx = AMXBF16Backend(KTConfig(kt_backend="amx_bf16", kt_num_threads=args.threads or threads))
+    tb = ktcore.get_backend("torch", {"kt_expert_weight_format": "bf16"})
     lines = []
 
     def out(s=""):

@@ -27,6 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ktcore.config import KTConfig
+
 E, K, H, I = 64, 6, 2048, 1408
 
 
@@ -101,7 +103,7 @@ def main():
     from ktcore_llamafile.backend import LlamafileBackend
 
     bw = statistics.median(measure_read_bandwidth() for _ in range(3))
-    backend = LlamafileBackend({"kt_num_threads": args.threads}, activations=args.activations)
+    backend = LlamafileBackend(KTConfig(kt_num_threads=args.threads), activations=args.activations)
     print(f"DeepSeek-V2-Lite layer E={E} K={K} H={H} I={I}; {args.threads} threads; isa={backend.isa}; "
           f"activations={backend.activations}; "
           f"DRAM read bandwidth (ktcore doctor) {bw:.1f} GB/s")
@@ -148,7 +150,7 @@ def main():
         from ktcore.experts import ExpertWeights
         from ktcore_amx_bf16.backend import AMXBF16Backend
 
-        amx = AMXBF16Backend({"kt_num_threads": args.threads})
+        amx = AMXBF16Backend(KTConfig(kt_num_threads=args.threads))
         dq = backend.dequantize(packed)
         amx_packed = amx.pack(ExpertWeights(dq.gate.bfloat16(), dq.up.bfloat16(), dq.down.bfloat16()))
         t_amx = timed(lambda: amx.forward(amx_packed, x.bfloat16(), ids, w), args.prefill_iters)

@@ -73,13 +73,14 @@ def test_auto_keeps_the_builtin_torch_backend():
 
 
 def test_example_rejects_what_it_does_not_implement():
+    from ktcore.config import KTConfig
     from ktcore.experts import ExpertWeights
 
     w = ExpertWeights(torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 8, 4))
     with pytest.raises(ValueError, match="silu only"):
         ktcore.get_backend("example").pack(w, activation="gelu")
     with pytest.raises(ValueError, match="packs fp32 experts"):  # constructed directly, past the resolver
-        type(ktcore.get_backend("example"))({"kt_expert_weight_format": "bf16"}).pack(w)
+        type(ktcore.get_backend("example"))(KTConfig(kt_expert_weight_format="bf16")).pack(w)
     with pytest.raises(ktcore.plugins.UnknownPluginError, match="weight format 'bf16' not supported"):
         ktcore.get_backend("example", {"kt_expert_weight_format": "bf16"})
 

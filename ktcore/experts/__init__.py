@@ -104,11 +104,15 @@ class ExpertLoRAGrads:
 
 @runtime_checkable
 class ExpertBackend(Protocol):
-    """What a backend implements. ``ExpertBackendBase`` supplies the async variants."""
+    """What a backend implements. ``ExpertBackendBase`` supplies ``pack_source`` (None) and the async variants."""
 
     name: str
 
     def pack(self, weights: ExpertWeights, activation: str = "silu") -> Any: ...
+
+    def pack_source(self, source, activation: str = "silu") -> Any:
+        """Packed weights straight from a checkpoint's expert ``source`` (zero-copy loading), or None to be
+        given ``source.read(dtype)`` through ``pack`` instead."""
 
     def forward(self, packed, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 lora: Optional[ExpertLoRA] = None, save: bool = False) -> tuple[torch.Tensor, Any]:
@@ -130,10 +134,11 @@ class ExpertBackendBase:
 
     name = "base"
 
-    def __init__(self, config=None):
-        from ..config import as_kt_config
-
-        self.config = as_kt_config(config)
+    def __init__(self, config):
+        if not all(hasattr(config, key) for key in ("kt_num_threads", "kt_expert_weight_format")):
+            raise TypeError(f"{type(self).__name__} takes a ktcore.config.KTConfig, got {type(config).__name__}; "
+                            "ktcore.get_backend(name, config) parses dicts and YAML paths into one")
+        self.config = config
         self._executor: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
@@ -142,6 +147,9 @@ class ExpertBackendBase:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ktcore-{self.name}")
             return self._executor
+
+    def pack_source(self, source, activation: str = "silu") -> Any:
+        return None
 
     def submit_forward(self, packed, x, topk_ids, topk_weights, lora=None, save=False) -> Future:
         return self._pool().submit(self.forward, packed, x, topk_ids, topk_weights, lora, save)

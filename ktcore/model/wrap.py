@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..config import KTConfig, as_kt_config
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins import UnknownPluginError, get_registry
 from ..specs import ArchSpec
@@ -21,6 +20,9 @@ from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
+
+if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
+    from ..config import KTConfig
 
 EXPERTS_IMPLEMENTATION = "ktcore"
 GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for layers placed on the GPU
@@ -145,13 +147,12 @@ def install_layer(model, name: str, module, layer: ExpertLayer, arch: ArchSpec, 
     module.__dict__["_ktcore_layer"] = layer  # plain attribute: not a submodule, not in state_dict
 
 
-def prepare(model, config, need_backward: bool = True):
-    """Common set-up of wrap_model and load_model: (KTConfig, arch, backend, budget, experts modules)."""
+def prepare(model, kt: KTConfig, need_backward: bool = True):
+    """Common set-up of wrap_model and load_model: (arch, backend, budget, experts modules)."""
     from ..plugins.select import get_backend
 
     if hasattr(model, "peft_config"):
         raise ValueError("wrap the base model with ktcore before PEFT (get_peft_model / PeftModel.from_pretrained)")
-    kt = as_kt_config(config)
     arch = find_arch(model.config)
     modules = expert_modules(model, arch)
     if not modules:
@@ -160,7 +161,7 @@ def prepare(model, config, need_backward: bool = True):
     for _, name, module in modules:
         check_experts_module(module, name, arch)
     backend = get_backend(kt.kt_backend, kt, need_backward=need_backward, need_lora=need_backward)
-    return kt, arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
+    return arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
 def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True) -> dict:
@@ -211,9 +212,9 @@ def finish(model, kt, arch, backend, layers) -> None:
     model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
 
 
-def wrap_model(model, config=None, need_backward: bool = True):
+def wrap_model(model, kt: KTConfig, need_backward: bool = True):
     """Move the routed experts of a loaded HF model into the CPU backend, in place; returns the model."""
-    kt, arch, backend, budget, modules = prepare(model, config, need_backward)
+    arch, backend, budget, modules = prepare(model, kt, need_backward)
     act = activation_name(model.config)
     plan = plan_placement(modules, kt, backend, need_backward)
     layers = {}

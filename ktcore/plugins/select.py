@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..specs import ExpertBackendSpec, import_object
-from . import Registry, get_registry
+from . import Registry, UnknownPluginError, get_registry
 from .hw import CpuInfo, cpu_info
 
 
@@ -61,19 +61,15 @@ def resolve_backend(name: str = "auto", *, weight_format: str = "auto", need_bac
     return BackendChoice(best, reasons)
 
 
-def get_backend(name: str = "auto", config=None, *, need_backward: bool = False, need_lora: bool = False,
+def get_backend(name: str, kt, *, need_backward: bool = False, need_lora: bool = False,
                 registry: Optional[Registry] = None):
-    """Instantiate the chosen backend with ``config`` (anything ``as_kt_config`` takes)."""
-    from ..config import as_kt_config
-    from . import UnknownPluginError
-
-    kt = as_kt_config(config)
-    if name == "auto":
-        name = kt.kt_backend
+    """An instance of the backend ``name`` ("auto": the best usable here) built with the KTConfig ``kt``; its
+    ``name`` is the name it is registered under."""
     choice = resolve_backend(name, weight_format=kt.kt_expert_weight_format, need_backward=need_backward,
                              need_lora=need_lora, registry=registry)
     if choice.spec is None:
         lines = [f"  {n}: {r}" for n, r in sorted(choice.reasons.items())]
         raise UnknownPluginError("no expert backend can run here:\n" + "\n".join(lines))
-    cls = import_object(choice.spec.factory)
-    return cls(kt)
+    backend = import_object(choice.spec.factory)(kt)
+    backend.name = choice.spec.name
+    return backend

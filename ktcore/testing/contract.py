@@ -88,7 +88,7 @@ class ExpertBackendContract:
 
     # -- hooks for subclasses ------------------------------------------------------------------------
     def make_backend(self, **kt):
-        from ..plugins.select import get_backend
+        from .. import get_backend
 
         return get_backend(self.backend_name, {"kt_backend": self.backend_name, **self.kt_config, **kt},
                            need_backward=True, need_lora=True)

@@ -238,7 +238,7 @@ def test_listed_without_loading_extension(fresh_registry):
 
 
 def test_unavailable_without_amx_flags(monkeypatch, fresh_registry):
-    from ktcore.plugins.select import get_backend, resolve_backend
+    from ktcore.plugins.select import resolve_backend
 
     monkeypatch.setenv("KTCORE_CPU_FLAGS", "avx2,fma")
     ktcore.plugins.hw._detect.cache_clear()
@@ -247,7 +247,7 @@ def test_unavailable_without_amx_flags(monkeypatch, fresh_registry):
     reason = choice.reasons["amx_bf16"]
     assert reason and "amx_tile" in reason
     with pytest.raises(Exception, match="amx_bf16"):
-        get_backend("amx_bf16", {"kt_backend": "amx_bf16"})
+        ktcore.get_backend("amx_bf16", {"kt_backend": "amx_bf16"})
 
 
 def test_probe_reports_reason_on_this_cpu(fresh_registry):

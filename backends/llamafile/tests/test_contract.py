@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from ktcore.config import KTConfig
 from ktcore.testing import ExpertBackendContract
 from ktcore.testing.contract import CASES, relative_error
 
@@ -22,7 +23,7 @@ class _Quantised(ExpertBackendContract):
     def make_backend(self, **kt):
         from ktcore_llamafile.backend import LlamafileBackend
 
-        return LlamafileBackend({"kt_backend": "llamafile", **self.kt_config, **kt}, isa=self.isa)
+        return LlamafileBackend(KTConfig(**{"kt_backend": "llamafile", **self.kt_config, **kt}), isa=self.isa)
 
     def reference(self, weights, x, ids, w, lora, grad_y):
         # the weights the backend really computes with: its blocks, dequantised
@@ -76,7 +77,7 @@ def _pair(fmt, seed=0, tokens=24, activations="q16"):
     weights, x, ids, w, lora = t.problem(case, seed=seed)
     out = {}
     for isa in ("scalar", *_vector_isas()):
-        be = LlamafileBackend({"kt_expert_weight_format": fmt, "kt_num_threads": 2}, isa=isa,
+        be = LlamafileBackend(KTConfig(kt_expert_weight_format=fmt, kt_num_threads=2), isa=isa,
                               activations=activations)
         packed = be.pack(weights)
         y, ctx = be.forward(packed, x, ids, w, lora, save=True)
@@ -100,11 +101,11 @@ def test_isa_switch(monkeypatch):
     from ktcore_llamafile.backend import LlamafileBackend
 
     monkeypatch.setenv("KTCORE_LLAMAFILE_ISA", "scalar")
-    assert LlamafileBackend({}).isa == "scalar"
+    assert LlamafileBackend(KTConfig()).isa == "scalar"
     monkeypatch.delenv("KTCORE_LLAMAFILE_ISA")
-    assert LlamafileBackend({}).isa in ("avx2", "avx512vnni")
+    assert LlamafileBackend(KTConfig()).isa in ("avx2", "avx512vnni")
     with pytest.raises(ValueError):
-        LlamafileBackend({}, isa="sse9")
+        LlamafileBackend(KTConfig(), isa="sse9")
 
 
 def test_pack_blocks_from_raw_gguf_blocks_q5_k_q6_k():
@@ -123,7 +124,7 @@ def test_pack_blocks_from_raw_gguf_blocks_q5_k_q6_k():
         for o in off:  # small finite fp16 scales
             scale = (torch.rand(blocks.shape[0], generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
             blocks[:, o:o + 2] = scale
-    be = LlamafileBackend({"kt_num_threads": 2})
+    be = LlamafileBackend(KTConfig(kt_num_threads=2))
     packed = be.pack_blocks(gate.numpy(), up.numpy(), down.numpy(), ("q5_k", "q5_k", "q6_k"), H, I)
     assert packed.gate.blocks.data_ptr() == gate.data_ptr()  # zero-copy
     x = torch.randn(T, H, generator=g)
@@ -143,7 +144,7 @@ def test_unsupported_format_is_explained():
     from ktcore_llamafile.backend import LlamafileBackend
     from ktcore.experts import ExpertWeights
 
-    be = LlamafileBackend({"kt_expert_weight_format": "q6_k"})
+    be = LlamafileBackend(KTConfig(kt_expert_weight_format="q6_k"))
     with pytest.raises(ValueError, match="read from GGUF files"):
         be.pack(ExpertWeights(torch.zeros(1, 32, 32), torch.zeros(1, 32, 32), torch.zeros(1, 32, 32)))
 
@@ -156,17 +157,17 @@ def test_two_activation_planes_are_far_more_accurate_than_one(monkeypatch):
     weights, x, ids, w, _ = ExpertBackendContract().problem(Case(8, 512, 256, 16, 2), seed=1)
     errs = {}
     for mode in ("q8", "q16"):
-        be = LlamafileBackend({"kt_expert_weight_format": "q4_1", "kt_num_threads": 2}, activations=mode)
+        be = LlamafileBackend(KTConfig(kt_expert_weight_format="q4_1", kt_num_threads=2), activations=mode)
         packed = be.pack(weights)
         ref = dense_reference(be.dequantize(packed), x.double(), ids, w.double())
         errs[mode] = relative_error(be.forward(packed, x, ids, w)[0], ref)
     assert errs["q16"] < 1e-3 and errs["q16"] < errs["q8"] / 30, errs
     monkeypatch.setenv("KTCORE_LLAMAFILE_ACT", "q8")
-    assert LlamafileBackend({}).activations == "q8"
+    assert LlamafileBackend(KTConfig()).activations == "q8"
     monkeypatch.setenv("KTCORE_LLAMAFILE_ACT", "q8x2")
-    assert LlamafileBackend({}).activations == "q16"
+    assert LlamafileBackend(KTConfig()).activations == "q16"
     with pytest.raises(ValueError):
-        LlamafileBackend({}, activations="int4")
+        LlamafileBackend(KTConfig(), activations="int4")
 
 
 @pytest.mark.skipif(not __import__("ktcore_llamafile._ext", fromlist=["x"]).cpu_has("avx2"), reason="no AVX2")
@@ -197,7 +198,7 @@ def test_in_place_row_kernels_match_scalar_on_raw_blocks(fmt, activations):
         w = torch.rand(T, 2, generator=g)
         ys = []
         for isa in ("scalar", *_vector_isas()):
-            be = LlamafileBackend({"kt_num_threads": 2}, isa=isa, activations=activations)
+            be = LlamafileBackend(KTConfig(kt_num_threads=2), isa=isa, activations=activations)
             ys.append(be.forward(be.pack_blocks(gate, up, down, fmt, H, I), x, ids, w)[0])
         for y in ys[1:]:
             torch.testing.assert_close(ys[0], y, rtol=0, atol=0)
@@ -222,7 +223,7 @@ def test_fused_forward_equals_phased_forward(types, isa):
             blocks[:, o:o + 2] = (torch.randn(blocks.shape[0], generator=g) * 1e-2).half().view(torch.uint8).view(-1, 2)
         return arr
 
-    be = LlamafileBackend({"kt_num_threads": 2}, isa=isa)
+    be = LlamafileBackend(KTConfig(kt_num_threads=2), isa=isa)
     packed = be.pack_blocks(raw(I, H, types[0]), raw(I, H, types[1]), raw(H, I, types[2]), types, H, I)
     assert packed.native_layer is not None
     zero = ExpertLoRA(torch.zeros(E, 2, H), torch.zeros(E, 2 * I, 2), torch.zeros(E, 2, I), torch.zeros(E, H, 2))

@@ -2,9 +2,9 @@
 
 Three functions with the signatures that LLaMA-Factory releases with KT support call
 (``load_kt_pretrained_model``, ``get_kt_peft_model``, ``load_kt_peft_model``), backed by ktcore, and
-``load_model``: a drop-in for ``llamafactory.model.load_model`` that runs LLaMA-Factory's own config and model
-patching around them. ``ktcore_llamafactory.train.run`` installs ``load_model`` only for the duration of one
-training run (see ``train.patched_llamafactory``).
+``loader_for(cfg)``: a drop-in for ``llamafactory.model.load_model`` that runs LLaMA-Factory's own config and
+model patching around them, for the run ``cfg`` describes. ``ktcore_llamafactory.train.run`` installs it only
+for the duration of one training run (see ``train.patched_llamafactory``).
 """
 
 from __future__ import annotations
@@ -13,24 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ktcore.config import ConfigError, KTConfig
-
-# The TrainConfig of the run in progress (set by train.run); None when the functions are called directly.
-_ACTIVE_CFG = None
-
-
-def active_config():
-    return _ACTIVE_CFG
-
-
-def _kt_config() -> KTConfig:
-    return _ACTIVE_CFG.kt if _ACTIVE_CFG is not None else KTConfig()
-
-
-def _use_kt(model_args) -> bool:
-    if _ACTIVE_CFG is not None:
-        return bool(_ACTIVE_CFG.use_kt)
-    return True  # called directly (LLaMA-Factory's KT path): that is what the caller asked for
+from ktcore.config import ConfigError, KTConfig, TrainConfig
 
 
 def _dtype(model_args) -> torch.dtype:
@@ -51,13 +34,14 @@ def _adapter_path(model_args) -> Optional[str]:
     return str(value)
 
 
-def load_kt_pretrained_model(config, model_args):
+def load_kt_pretrained_model(config, model_args, kt: Optional[KTConfig] = None):
     """The base model of ``model_args.model_name_or_path`` built from the transformers ``config`` (as
-    LLaMA-Factory patched it), with routed experts in the ktcore expert backend (``kt_config``)."""
+    LLaMA-Factory patched it), with routed experts in the ktcore expert backend ``kt`` chooses (default:
+    ``KTConfig()``, the best backend usable here)."""
     import ktcore
 
-    return ktcore.load_model(model_args.model_name_or_path, _kt_config(), dtype=_dtype(model_args),
-                             hf_config=config, progress=False)
+    return ktcore.load_model(model_args.model_name_or_path, kt, dtype=_dtype(model_args), hf_config=config,
+                             progress=False)
 
 
 def _arch_of(model):
@@ -124,48 +108,51 @@ def _peft_kwargs(finetuning_args) -> dict:
     }
 
 
-def load_model(tokenizer, model_args, finetuning_args, is_trainable: bool = False, add_valuehead: bool = False):
-    """``llamafactory.model.load_model`` with ktcore building the model and its LoRA.
+def loader_for(cfg: TrainConfig):
+    """``llamafactory.model.load_model`` with ktcore building the model (its experts in the backend
+    ``cfg.kt`` chooses when ``cfg.use_kt``) and its LoRA.
 
     LLaMA-Factory's own steps run around it: ``patch_config`` (dtype, attention implementation, MoE aux loss),
     ``patch_model`` (gradient checkpointing, generation config), ``register_autoclass``, the fp32 upcast of
     trainable parameters and its parameter report.
     """
-    from llamafactory.extras.misc import count_parameters
-    from llamafactory.model import loader, patcher
-    from transformers import AutoModelForCausalLM
 
-    if add_valuehead:
-        raise ConfigError("the llamafactory frontend runs stage sft and dpo (no value-head models)")
-    if finetuning_args.finetuning_type != "lora":
-        raise ConfigError(f"finetuning_type {finetuning_args.finetuning_type!r}: ktcore trains LoRA only")
-    init_kwargs = loader._get_init_kwargs(model_args)
-    config = loader.load_config(model_args)
-    patcher.patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
-    if _use_kt(model_args):
-        model = load_kt_pretrained_model(config, model_args)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=config,
-                                                     dtype=_dtype(model_args),
-                                                     trust_remote_code=model_args.trust_remote_code)
-    patcher.patch_model(model, tokenizer, model_args, is_trainable, add_valuehead=False)
-    loader.register_autoclass(config, model, tokenizer)
+    def load_model(tokenizer, model_args, finetuning_args, is_trainable: bool = False, add_valuehead: bool = False):
+        from llamafactory.model import loader, patcher
+        from transformers import AutoModelForCausalLM
 
-    if _adapter_path(model_args) is not None:
-        model = load_kt_peft_model(model_args, model, is_trainable=is_trainable)
-    elif is_trainable:
-        model = get_kt_peft_model(model, _peft_kwargs(finetuning_args))
+        from ktcore.frontends.skeleton import count_parameters, describe_parameters
 
-    if is_trainable:
-        if not finetuning_args.pure_bf16:
-            for param in filter(lambda p: p.requires_grad, model.parameters()):
-                param.data = param.data.to(torch.float32)
-        model.train()
-    else:
-        model.requires_grad_(False)
-        model.eval()
-    trainable, total = count_parameters(model)
-    expert = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".experts." in n)
-    print(f"[ktcore] trainable params: {trainable:,} (routed-expert LoRA: {expert:,}) || all params: {total:,}",
-          flush=True)
-    return model
+        if add_valuehead:
+            raise ConfigError("the llamafactory frontend runs stage sft and dpo (no value-head models)")
+        if finetuning_args.finetuning_type != "lora":
+            raise ConfigError(f"finetuning_type {finetuning_args.finetuning_type!r}: ktcore trains LoRA only")
+        init_kwargs = loader._get_init_kwargs(model_args)
+        config = loader.load_config(model_args)
+        patcher.patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
+        if cfg.use_kt:
+            model = load_kt_pretrained_model(config, model_args, cfg.kt)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=config,
+                                                         dtype=_dtype(model_args),
+                                                         trust_remote_code=model_args.trust_remote_code)
+        patcher.patch_model(model, tokenizer, model_args, is_trainable, add_valuehead=False)
+        loader.register_autoclass(config, model, tokenizer)
+
+        if _adapter_path(model_args) is not None:
+            model = load_kt_peft_model(model_args, model, is_trainable=is_trainable)
+        elif is_trainable:
+            model = get_kt_peft_model(model, _peft_kwargs(finetuning_args))
+
+        if is_trainable:
+            if not finetuning_args.pure_bf16:
+                for param in filter(lambda p: p.requires_grad, model.parameters()):
+                    param.data = param.data.to(torch.float32)
+            model.train()
+        else:
+            model.requires_grad_(False)
+            model.eval()
+        print(describe_parameters(count_parameters(model)), flush=True)
+        return model
+
+    return load_model
