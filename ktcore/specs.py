@@ -40,14 +40,24 @@ class ExpertBackendSpec:
     priority: int = 0  # higher wins among usable backends
     probe: Optional[Callable[[], Optional[str]]] = None  # cheap check: None if usable, else the reason
     description: str = ""
+    # "module:function" (seconds) -> dict of report fields: what this backend measures for `ktcore doctor`
+    doctor: Optional[str] = None
+    # "module:function" (model, out_dir, fmt) -> summary dict: `ktcore convert` for the formats below
+    converter: Optional[str] = None
+    convert_formats: tuple[str, ...] = ()  # the --format values the converter writes; the first is the default
 
     def __post_init__(self):
         _check_name("backend", self.name)
 
 
+# llama.cpp's names of one layer's routed experts, stacked per projection (every MoE family it converts)
+GGUF_EXPERT_KEYS = {"gate": "blk.{layer}.ffn_gate_exps.weight", "up": "blk.{layer}.ffn_up_exps.weight",
+                    "down": "blk.{layer}.ffn_down_exps.weight"}
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """A model family: where its routed experts live and how its checkpoints name them.
+    """A model family: where its routed experts live, how its checkpoints name them, and its GGUF files.
 
     Key templates use ``{layer}`` and ``{expert}``; the experts module path uses ``{layer}``.
     """
@@ -60,8 +70,6 @@ class ArchSpec:
     expert_keys: dict = field(default_factory=dict)  # {"gate": ..., "up": ..., "down": ...}
     # fused keys (transformers 5 in-memory layout, also found on disk)
     fused_expert_keys: dict = field(default_factory=dict)  # {"gate_up": ..., "down": ...}
-    router: str = ""  # descriptive: where the router lives
-    shared_experts: str = ""  # descriptive: where shared experts live, if any
     default_lora_targets: tuple[str, ...] = ()  # linear module names for lora_target: all
     expert_lora_parameters: tuple[str, ...] = ("gate_up_proj", "down_proj")
     # (regex, replacement) applied to checkpoint names to get the model's names (e.g. Mixtral's
@@ -69,7 +77,18 @@ class ArchSpec:
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # True: experts_module is a dense gated MLP (gate_proj/up_proj/down_proj) run as one expert of weight 1
     dense_mlp: bool = False
-    notes: str = ""
+    # -- GGUF: read by the GGUF loader and the GGUF adapter format --
+    # the general.architecture llama.cpp writes this family under ("qwen3moe"); "" = no GGUF support
+    gguf_architecture: str = ""
+    # "module:function" taking a ktcore.weights.gguf_reader.GGUFFile and returning the transformers config, or
+    # None when the file is another family written under the same gguf_architecture (llama: Llama or Mixtral)
+    gguf_config: str = ""
+    # one layer's routed experts (or, with dense_mlp, its MLP) in the file, {"gate", "up", "down"} with {layer}
+    gguf_expert_keys: dict = field(default_factory=lambda: dict(GGUF_EXPERT_KEYS))
+    # (regex over a model tensor name, replacement) for the tensors gguf's own name map lacks for the family
+    gguf_extra_names: tuple[tuple[str, str], ...] = ()
+    # llama.cpp's converter permutes the rows of attn_q/attn_k for its rope; readers invert it
+    gguf_rope_permuted: bool = False
 
     def __post_init__(self):
         _check_name("architecture", self.name)
@@ -91,11 +110,16 @@ class FrontendSpec:
 
 @dataclass(frozen=True)
 class AdapterFormatSpec:
-    """An adapter file format; ``factory`` names a class with sniff/save/load/verify."""
+    """An adapter file format; ``factory`` names a class with save/load/verify.
+
+    ``files`` and ``magic`` say how an adapter in the format is recognised without importing the plugin."""
 
     name: str
     factory: str
     description: str = ""
+    files: tuple[str, ...] = ()  # a directory holding any of these files is in this format
+    magic: bytes = b""  # a file starting with these bytes is in this format
+    peft_native: bool = False  # PeftModel.from_pretrained reads the format's directories as they are
 
     def __post_init__(self):
         _check_name("adapter format", self.name)

@@ -9,15 +9,12 @@ experts) at a time, never the whole file.
 Shapes are given in torch (row-major, HF) order: GGUF stores ``ne[0]`` (the innermost dimension) first, so a
 ``[E, I, H]`` expert tensor is ``ne = (H, I, E)`` in the file.
 
-GGUF -> HF naming uses gguf's own name maps (``gguf.get_tensor_name_map``), applied to the HF model's
-parameter names; the few tensors llama.cpp's converter writes differently are handled explicitly:
-
-* ``llama`` (and Mixtral, written as ``llama`` with ``expert_count > 0``): the converter permutes the rows of
-  ``attn_q``/``attn_k`` for its rope layout; loading inverts the permutation.
-* ``deepseek2``: newer converters split ``kv_b_proj`` into ``attn_k_b`` (transposed) and ``attn_v_b`` for
-  MLA absorption; loading merges them back (older files carry ``attn_kv_b`` as is).
-* dense MLPs in layers of MoE families that llama.cpp's arch tables lack (``mlp_only_layers``) are read from
-  ``blk.L.ffn_{gate,up,down}``; ``e_score_correction_bias`` is ``blk.L.exp_probs_b.bias``.
+What is particular to a model family comes from its architecture plugin (``ktcore.specs.ArchSpec``): the
+GGUF architecture it is written under, the function building its transformers config, the names of its
+experts, the tensors gguf's own name maps (``gguf.get_tensor_name_map``) lack, and whether llama.cpp's
+converter permuted the rows of ``attn_q``/``attn_k`` for its rope (loading inverts it). One convention is
+llama.cpp's for every family: newer converters split MLA's ``kv_b_proj`` into ``attn_k_b`` (transposed) and
+``attn_v_b`` for absorption; loading merges them back (older files carry ``attn_kv_b`` as is).
 """
 
 from __future__ import annotations
@@ -29,20 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .safetensors_reader import CheckpointError
+from ..errors import CheckpointError
+from ..experts import ExpertWeights
+from ..plugins import get_registry
+from ..specs import ArchSpec, import_object
 
 GGUF_MAGIC = b"GGUF"
-EXPERT_KEYS = {"gate": "blk.{layer}.ffn_gate_exps.weight", "up": "blk.{layer}.ffn_up_exps.weight",
-               "down": "blk.{layer}.ffn_down_exps.weight"}
-DENSE_KEYS = {"gate": "blk.{layer}.ffn_gate.weight", "up": "blk.{layer}.ffn_up.weight",
-              "down": "blk.{layer}.ffn_down.weight"}
-# GGUF general.architecture -> what ktcore builds from it
-SUPPORTED_ARCHS = ("llama", "qwen2moe", "qwen3moe", "deepseek2")
-# tensors llama.cpp's arch tables do not list for the family but that our HF models have
-_FALLBACK = {
-    r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight": r"blk.\1.ffn_\2.weight",
-    r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias": r"blk.\1.exp_probs_b.bias",
-}
 
 
 def _gguf():
@@ -171,33 +160,54 @@ class GGUFFile:
 # ---- GGUF -> HF --------------------------------------------------------------------------------------
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Inverse of llama.cpp's rope permutation of q/k rows: per head, rows (pairs interleaved) -> halves."""
+def rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's rope row order of q/k weights: per head, rows in halves -> rows in interleaved pairs."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rope_unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of ``rope_permute``."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def is_rope_permuted(arch: ArchSpec, gguf_name: str) -> bool:
+    """Whether llama.cpp's converter permuted the rows of this tensor of the family ``arch``."""
+    return arch.gguf_rope_permuted and re.search(r"\.attn_(q|k)\.weight$", gguf_name) is not None
+
+
+class GGUFNames:
+    """Model tensor name -> GGUF tensor name for the family ``arch``: gguf's own name map for its GGUF
+    architecture, then the family's ``gguf_extra_names``."""
+
+    def __init__(self, arch: ArchSpec, num_layers: int, where):
+        gguf = _gguf()
+        enum = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch.gguf_architecture), None)
+        if enum is None:
+            raise CheckpointError(f"{where}: the installed gguf package does not know architecture "
+                                  f"{arch.gguf_architecture!r}; upgrade it (pip install -U gguf)")
+        self.name_map = gguf.get_tensor_name_map(enum, num_layers)
+        self.extra = arch.gguf_extra_names
+
+    def __call__(self, name: str):
+        target = self.name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        for pattern, replacement in self.extra:
+            if target is None and re.fullmatch(pattern, name):
+                target = re.sub(pattern, replacement, name)
+        return target
 
 
 class GGUFWeights:
     """The tensors of a GGUF file under the HF model's names (what ``load_model`` asks for)."""
 
-    def __init__(self, file: GGUFFile, model, arch):
-        gguf = _gguf()
+    def __init__(self, file: GGUFFile, model, arch: ArchSpec):
         self.file, self.arch = file, arch
         self.config = model.config.get_text_config()
-        name = file.architecture
-        gguf_arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name), None)
-        if gguf_arch is None:
-            raise CheckpointError(f"{file.path}: the installed gguf package does not know architecture {name!r}; "
-                                  "upgrade it (pip install -U gguf)")
-        name_map = gguf.get_tensor_name_map(gguf_arch, self.config.num_hidden_layers)
-        self.permute = name == "llama"
+        gguf_name = GGUFNames(arch, self.config.num_hidden_layers, file.path)
         self.names = {}  # HF name -> GGUF name (or a ("kv_b", k_b, v_b) triple)
         for hf_name, _ in [*model.named_parameters(), *model.named_buffers()]:
-            target = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if target is None:
-                for pattern, repl in _FALLBACK.items():
-                    if re.fullmatch(pattern, hf_name):
-                        target = re.sub(pattern, repl, hf_name)
+            target = gguf_name(hf_name)
             if target is None:
                 continue
             if target.endswith(".attn_kv_b.weight") and target not in file and \
@@ -210,8 +220,9 @@ class GGUFWeights:
         used = set()
         for target in self.names.values():
             used.update(target[1:] if isinstance(target, tuple) else (target,))
-        expert = re.compile(r"blk\.\d+\.ffn_(gate|up|down)(_exps)?\.weight$")
-        unused = sorted(n for n in self.file.keys() if n not in used and not expert.match(n))
+        experts = re.compile("|".join(re.escape(k).replace(re.escape("{layer}"), r"\d+")
+                                      for k in self.arch.gguf_expert_keys.values()))
+        unused = sorted(n for n in self.file.keys() if n not in used and not experts.fullmatch(n))
         if unused:
             warnings.warn(f"{self.file.path}: {len(unused)} GGUF tensor(s) have no place in the "
                           f"{self.arch.name} model and are ignored: {', '.join(unused[:8])}"
@@ -253,9 +264,9 @@ class GGUFWeights:
             kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
             return kv_b.reshape(-1, kv_b.shape[-1])
         value = self.file.get(target)
-        if self.permute and re.search(r"\.attn_(q|k)\.weight$", target):
+        if is_rope_permuted(self.arch, target):
             heads = self.config.num_attention_heads if ".attn_q." in target else self.config.num_key_value_heads
-            value = _unpermute(value, heads)
+            value = rope_unpermute(value, heads)
         return value
 
     def experts(self, layer: int, module) -> "GGUFExpertSource":
@@ -265,27 +276,23 @@ class GGUFWeights:
 class GGUFExpertSource:
     """One layer's routed experts (``blk.L.ffn_*_exps``) or dense MLP (``blk.L.ffn_*``), validated."""
 
-    def __init__(self, file: GGUFFile, arch, layer: int, module):
+    def __init__(self, file: GGUFFile, arch: ArchSpec, layer: int, module):
         self.file, self.layer = file, layer
         self.dense = arch.dense_mlp
         if self.dense:
             self.num_experts = 1
             inter, hidden = module.gate_proj.weight.shape
-            keys = DENSE_KEYS
         else:
             self.num_experts, rows, cols = module.gate_up_proj.shape
             transposed = getattr(module, "is_transposed", False)
             hidden, inter = (rows, cols // 2) if transposed else (cols, rows // 2)
-            keys = EXPERT_KEYS
-        self.keys = {p: k.format(layer=layer) for p, k in keys.items()}
+        self.keys = {p: k.format(layer=layer) for p, k in arch.gguf_expert_keys.items()}
         shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         self.shapes = {p: s if self.dense else (self.num_experts, *s) for p, s in shapes.items()}
         for part in ("gate", "up", "down"):
             file.expect(self.keys[part], self.shapes[part], f" (routed experts of layer {layer})")
 
-    def read(self, dtype):
-        from ..experts import ExpertWeights
-
+    def read(self, dtype) -> ExpertWeights:
         parts = {}
         for part in ("gate", "up", "down"):
             value = self.file.get(self.keys[part]).to(dtype)
@@ -293,7 +300,7 @@ class GGUFExpertSource:
         return ExpertWeights(parts["gate"], parts["up"], parts["down"])
 
 
-# ---- HF config from GGUF metadata --------------------------------------------------------------------
+# ---- HF config from GGUF metadata (the families' builders use these) -------------------------------------
 
 
 def _tokens(file: GGUFFile) -> dict:
@@ -321,7 +328,8 @@ def _rope(file: GGUFFile) -> dict:
     return params
 
 
-def _common(file: GGUFFile) -> dict:
+def common_config_kwargs(file: GGUFFile) -> dict:
+    """The transformers config keys every decoder family shares (sizes, heads, norms, rope, special tokens)."""
     m = file.arch_meta
     heads = int(m("attention.head_count"))
     return dict(vocab_size=file.shape("token_embd.weight")[0], hidden_size=int(m("embedding_length")),
@@ -332,82 +340,32 @@ def _common(file: GGUFFile) -> dict:
                 tie_word_embeddings="output.weight" not in file, rope_parameters=_rope(file), **_tokens(file))
 
 
-def _mixtral_config(file: GGUFFile):
-    from transformers import MixtralConfig
-
-    m = file.arch_meta
-    return MixtralConfig(**_common(file), intermediate_size=int(m("expert_feed_forward_length", 0) or
-                                                               m("feed_forward_length")),
-                         num_local_experts=int(m("expert_count")), num_experts_per_tok=int(m("expert_used_count")),
-                         architectures=["MixtralForCausalLM"])
-
-
-def _deepseek_config(file: GGUFFile):
-    from transformers import DeepseekV2Config, DeepseekV3Config
-
-    m = file.arch_meta
-    common = _common(file)
-    rope_dim = int(m("rope.dimension_count"))
-    key_length = int(m("attention.key_length_mla", 0) or m("attention.key_length"))
-    value_length = int(m("attention.value_length_mla", 0) or m("attention.value_length"))
-    n_group = int(m("expert_group_count", 1) or 1)
-    kwargs = dict(common, intermediate_size=int(m("feed_forward_length")),
-                  moe_intermediate_size=int(m("expert_feed_forward_length")),
-                  n_routed_experts=int(m("expert_count")), num_experts_per_tok=int(m("expert_used_count")),
-                  n_shared_experts=int(m("expert_shared_count", 0)),
-                  first_k_dense_replace=int(m("leading_dense_block_count", 0)),
-                  kv_lora_rank=int(m("attention.kv_lora_rank")), q_lora_rank=int(m("attention.q_lora_rank", 0)) or None,
-                  qk_rope_head_dim=rope_dim, qk_nope_head_dim=key_length - rope_dim, v_head_dim=value_length,
-                  n_group=n_group, topk_group=int(m("expert_group_used_count", 1) or 1),
-                  routed_scaling_factor=float(m("expert_weights_scale", 1.0)),
-                  norm_topk_prob=bool(m("expert_weights_norm", False)))
-    sigmoid = int(m("expert_gating_func", 1) or 1) == 2 or "blk.{}.exp_probs_b.bias".format(
-        kwargs["first_k_dense_replace"]) in file
-    if sigmoid:
-        return DeepseekV3Config(**kwargs, architectures=["DeepseekV3ForCausalLM"])
-    return DeepseekV2Config(**kwargs, topk_method="group_limited_greedy" if n_group > 1 else "greedy",
-                            architectures=["DeepseekV2ForCausalLM"])
-
-
-def _transformers_config(file: GGUFFile):
+def transformers_config(file: GGUFFile):
+    """transformers' own config loading of a GGUF file (the architectures it supports)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(file.path.parent, gguf_file=file.path.name)
-    if file.architecture in ("qwen2moe", "qwen3moe"):
-        n = cfg.num_hidden_layers
-        dense = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in file]
-        cfg.mlp_only_layers = dense
-        cfg.decoder_sparse_step = 1
-        expert_ff = file.arch_meta("expert_feed_forward_length")
-        if expert_ff:
-            cfg.moe_intermediate_size = int(expert_ff)
-        if file.architecture == "qwen2moe":
-            shexp = file.arch_meta("expert_shared_feed_forward_length")
-            if shexp:
-                cfg.shared_expert_intermediate_size = int(shexp)
-        # llama.cpp normalises the top-k weights of qwen3moe and not of qwen2moe unless the file says otherwise
-        cfg.norm_topk_prob = bool(file.arch_meta("expert_weights_norm", file.architecture == "qwen3moe"))
-        key_length = file.arch_meta("attention.key_length")
-        if key_length and hasattr(cfg, "head_dim"):
-            cfg.head_dim = int(key_length)
     cfg.tie_word_embeddings = "output.weight" not in file
     return cfg
 
 
 def gguf_config(file: GGUFFile):
-    """The HF config of a GGUF file: transformers' own GGUF config loading where it handles the architecture,
-    a small explicit mapping of the metadata keys otherwise (deepseek2, llama with experts = Mixtral)."""
+    """The HF config of a GGUF file, from the architecture plugins written under its GGUF architecture (the
+    first whose ``gguf_config`` recognises the file)."""
+    archs = get_registry().specs("arch").values()
     arch = file.architecture
-    if arch not in SUPPORTED_ARCHS:
+    builders = list(dict.fromkeys(s.gguf_config for s in archs if s.gguf_architecture == arch and s.gguf_config))
+    if not builders:
+        known = sorted({s.gguf_architecture for s in archs if s.gguf_config})
         raise CheckpointError(f"{file.path}: GGUF architecture {arch!r} is not supported; ktcore loads "
-                              f"{', '.join(SUPPORTED_ARCHS)}")
-    try:
-        if arch == "deepseek2":
-            return _deepseek_config(file)
-        if arch == "llama" and int(file.arch_meta("expert_count", 0) or 0) > 0:
-            return _mixtral_config(file)
-        return _transformers_config(file)
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{file.path}: cannot build a {arch} config from the GGUF metadata ({exc})") from exc
+                              f"{', '.join(known)} (see `ktcore list-archs`)")
+    for ref in builders:
+        try:
+            config = import_object(ref)(file)
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{file.path}: cannot build a {arch} config from the GGUF metadata ({exc})") from exc
+        if config is not None:
+            return config
+    raise CheckpointError(f"{file.path}: no architecture plugin recognises this {arch} file")

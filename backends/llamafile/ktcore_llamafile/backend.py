@@ -3,7 +3,7 @@
 Packed experts are ggml blocks, one ``uint8 [E, N, row_bytes]`` tensor per projection (gate/up ``[E, I, H]``,
 down ``[E, H, I]``, blocks along the reduction dimension, exactly a GGUF ``ffn_*_exps`` tensor), either
 quantised by :meth:`LlamafileBackend.pack` or taken as they are from a GGUF file
-(:meth:`LlamafileBackend.pack_blocks` / :meth:`LlamafileBackend.pack_gguf`, zero-copy on the file's mmap).
+(:meth:`LlamafileBackend.pack_source` / :meth:`LlamafileBackend.pack_blocks`, zero-copy on the file's mmap).
 
 Forward: the routed rows are sorted by expert; activations are quantised per 32 elements to int16 (one fp32
 scale per block; or int8 by ggml's Q8_0 rule, see ``activations``) and dotted against the weight blocks
@@ -262,20 +262,6 @@ class LlamafileBackend(ExpertBackendBase):
         if not (parts[0].blocks.shape[0] == parts[1].blocks.shape[0] == parts[2].blocks.shape[0]):
             raise ValueError("gate, up and down disagree on the number of experts")
         return LlamafilePacked(*parts, parts[0].blocks.shape[0], hidden, inter, activation, source)
-
-    def pack_gguf(self, file, layer: int, activation: str = "silu", dense: bool = False) -> LlamafilePacked:
-        """One layer's routed experts (``blk.L.ffn_{gate,up,down}_exps``; ``dense``: the MLP ``blk.L.ffn_*``)
-        from a ``ktcore.weights.gguf_reader.GGUFFile`` (or a path), zero-copy on its mmap."""
-        from ktcore.weights.gguf_reader import DENSE_KEYS, EXPERT_KEYS, GGUFFile
-
-        if not isinstance(file, GGUFFile):
-            file = GGUFFile(file)
-        keys = {p: k.format(layer=layer) for p, k in (DENSE_KEYS if dense else EXPERT_KEYS).items()}
-        tensors = {p: file.tensors[k] for p, k in keys.items()}
-        inter, hidden = file.shape(keys["gate"])[-2:]
-        return self.pack_blocks(tensors["gate"].data, tensors["up"].data, tensors["down"].data,
-                                tuple(int(tensors[p].tensor_type) for p in ("gate", "up", "down")), hidden, inter,
-                                activation, source=file)
 
     def pack_source(self, source, activation: str = "silu") -> Optional[LlamafilePacked]:
         """``load_model`` hook: a GGUF expert source whose blocks this backend computes with directly (when

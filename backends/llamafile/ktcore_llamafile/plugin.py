@@ -8,6 +8,7 @@ import ktcore
 from ktcore.specs import ExpertBackendSpec
 
 FORMATS = ("auto", "gguf", "f32", "fp32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+CONVERT_FORMATS = ("q4_k", "q8_0", "q4_0", "q4_1")  # what `ktcore convert` writes; the first is its default
 
 
 def probe() -> Optional[str]:
@@ -40,5 +41,7 @@ def ktcore_register_expert_backends():
             probe=probe,
             description="GGUF blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/F16/BF16/F32) x int8 activations, "
                         "AVX-512 VNNI or AVX2; forward, backward and expert LoRA",
+            converter="ktcore_llamafile.convert:convert_gguf",
+            convert_formats=CONVERT_FORMATS,
         )
     ]

@@ -1,41 +1,29 @@
-"""Built-in plugin: DeepSeek-V2 (and V2-Lite) and DeepSeek-V3 (MLA attention, shared experts, dense first layers)."""
+"""Built-in plugin: DeepSeek-V2 (and V2-Lite) and DeepSeek-V3 (MLA attention, shared experts, dense first layers).
+
+The router (``mlp.gate``: softmax with greedy or group-limited top-k in V2; sigmoid scores plus
+``e_score_correction_bias``, ``n_group``/``topk_group`` and ``norm_topk_prob`` in V3; ``routed_scaling_factor``
+in both), the shared experts (``mlp.shared_experts``) and the dense MLPs of the layers below
+``first_k_dense_replace`` stay on the GPU. V3's published checkpoints are FP8 with 128x128 ``weight_scale_inv``
+blocks, dequantised while streaming. llama.cpp writes both as ``deepseek2``.
+"""
 
 from ktcore import hookimpl
+from ktcore.builtin.archs.hf_names import EXPERTS, FUSED_KEYS, GGUF_DENSE_MLP, PER_EXPERT_KEYS
 from ktcore.specs import ArchSpec
 
-_EXPERTS = "model.layers.{layer}.mlp.experts"
-_PER_EXPERT = {part: _EXPERTS + ".{expert}." + part + "_proj.weight" for part in ("gate", "up", "down")}
-_FUSED = {"gate_up": _EXPERTS + ".gate_up_proj", "down": _EXPERTS + ".down_proj"}
 # MLA: q_proj (V2-Lite) or q_a_proj/q_b_proj (V2, V3), kv_a_proj_with_mqa, kv_b_proj, o_proj
 _ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# V3's router bias, which llama.cpp's deepseek2 tables lack too
+_GGUF_ROUTER_BIAS = (r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias")
+
+
+def _deepseek(name: str, hf_class: str) -> ArchSpec:
+    return ArchSpec(name=name, hf_architectures=(hf_class,), model_types=(name,), experts_module=EXPERTS,
+                    expert_keys=PER_EXPERT_KEYS, fused_expert_keys=FUSED_KEYS, default_lora_targets=_ATTENTION,
+                    gguf_architecture="deepseek2", gguf_config="ktcore.builtin.archs.gguf_configs:deepseek",
+                    gguf_extra_names=(GGUF_DENSE_MLP, _GGUF_ROUTER_BIAS))
 
 
 @hookimpl
 def ktcore_register_archs():
-    return [
-        ArchSpec(
-            name="deepseek_v2",
-            hf_architectures=("DeepseekV2ForCausalLM",),
-            model_types=("deepseek_v2",),
-            experts_module=_EXPERTS,
-            expert_keys=_PER_EXPERT,
-            fused_expert_keys=_FUSED,
-            router="model.layers.{layer}.mlp.gate (softmax, greedy or group-limited top-k, routed_scaling_factor)",
-            shared_experts="model.layers.{layer}.mlp.shared_experts (n_shared_experts x moe_intermediate_size)",
-            default_lora_targets=_ATTENTION,
-            notes="layers below first_k_dense_replace are dense MLPs and stay on the GPU",
-        ),
-        ArchSpec(
-            name="deepseek_v3",
-            hf_architectures=("DeepseekV3ForCausalLM",),
-            model_types=("deepseek_v3",),
-            experts_module=_EXPERTS,
-            expert_keys=_PER_EXPERT,
-            fused_expert_keys=_FUSED,
-            router="model.layers.{layer}.mlp.gate (sigmoid scores + e_score_correction_bias, n_group/topk_group, "
-                   "norm_topk_prob, routed_scaling_factor)",
-            shared_experts="model.layers.{layer}.mlp.shared_experts",
-            default_lora_targets=_ATTENTION,
-            notes="published checkpoints are FP8 with 128x128 weight_scale_inv blocks, dequantised while streaming",
-        ),
-    ]
+    return [_deepseek("deepseek_v2", "DeepseekV2ForCausalLM"), _deepseek("deepseek_v3", "DeepseekV3ForCausalLM")]

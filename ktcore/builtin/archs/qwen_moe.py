@@ -1,39 +1,25 @@
-"""Built-in plugin: the Qwen MoE family (Qwen2-MoE with its gated shared expert, Qwen3-MoE)."""
+"""Built-in plugin: the Qwen MoE family (Qwen2-MoE with its gated shared expert, Qwen3-MoE).
+
+The router (``mlp.gate``: softmax top-k, ``norm_topk_prob``) and Qwen2-MoE's shared expert
+(``mlp.shared_expert``, scaled by ``sigmoid(mlp.shared_expert_gate)``) stay on the GPU, as do the plain MLPs of
+the dense layers (``decoder_sparse_step``, ``mlp_only_layers``). PEFT maps v4-style gate_proj/up_proj/down_proj
+targets onto the fused experts.
+"""
 
 from ktcore import hookimpl
+from ktcore.builtin.archs.hf_names import EXPERTS, FUSED_KEYS, GGUF_DENSE_MLP, PER_EXPERT_KEYS
 from ktcore.specs import ArchSpec
 
-_EXPERTS = "model.layers.{layer}.mlp.experts"
-_PER_EXPERT = {part: _EXPERTS + ".{expert}." + part + "_proj.weight" for part in ("gate", "up", "down")}
-_FUSED = {"gate_up": _EXPERTS + ".gate_up_proj", "down": _EXPERTS + ".down_proj"}
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+def _qwen_moe(name: str, hf_class: str, gguf_architecture: str) -> ArchSpec:
+    return ArchSpec(name=name, hf_architectures=(hf_class,), model_types=(name,), experts_module=EXPERTS,
+                    expert_keys=PER_EXPERT_KEYS, fused_expert_keys=FUSED_KEYS,
+                    default_lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+                    gguf_architecture=gguf_architecture, gguf_config="ktcore.builtin.archs.gguf_configs:qwen_moe",
+                    gguf_extra_names=(GGUF_DENSE_MLP,))
 
 
 @hookimpl
 def ktcore_register_archs():
-    return [
-        ArchSpec(
-            name="qwen2_moe",
-            hf_architectures=("Qwen2MoeForCausalLM",),
-            model_types=("qwen2_moe",),
-            experts_module=_EXPERTS,
-            expert_keys=_PER_EXPERT,
-            fused_expert_keys=_FUSED,
-            router="model.layers.{layer}.mlp.gate (softmax top-k, norm_topk_prob)",
-            shared_experts="model.layers.{layer}.mlp.shared_expert, scaled by sigmoid(mlp.shared_expert_gate)",
-            default_lora_targets=_ATTENTION,
-            notes="the shared expert and its gate stay on the GPU; decoder_sparse_step/mlp_only_layers give dense layers",
-        ),
-        ArchSpec(
-            name="qwen3_moe",
-            hf_architectures=("Qwen3MoeForCausalLM",),
-            model_types=("qwen3_moe",),
-            experts_module=_EXPERTS,
-            expert_keys=_PER_EXPERT,
-            fused_expert_keys=_FUSED,
-            router="model.layers.{layer}.mlp.gate (softmax top-k, optional norm_topk_prob)",
-            default_lora_targets=_ATTENTION,
-            notes="dense layers listed in mlp_only_layers keep a plain MLP on the GPU; PEFT maps v4-style "
-                  "gate_proj/up_proj/down_proj targets onto the fused experts",
-        ),
-    ]
+    return [_qwen_moe("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2moe"),
+            _qwen_moe("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe")]

@@ -12,34 +12,34 @@ What llama.cpp checks when it loads an adapter (``llama_adapter_lora_init``) and
   with ``ne = [in, out, E]``; llama.cpp applies the expert LoRA with ``ggml_mul_mat_id`` per selected expert, so
   ``lora_a`` is ``ne [in, r, E]`` (numpy ``[E, r, in]``) and ``lora_b`` is ``ne [r, out, E]`` (numpy
   ``[E, out, r]``). PEFT's fused ``gate_up_proj`` LoRA is split exactly into gate and up pairs of rank r that
-  share A (see ``ktcore.adapters.split_gate_up``); reading back fuses them again (rank r when the two A are
+  share A (see ``ktcore.adapters.canonical.split_gate_up``); reading back fuses them again (rank r when the two A are
   equal, else rank 2r, exact).
-* llama arch (Llama, Mixtral): llama.cpp stores q/k weights with rotary rows permuted, so the q/k ``lora_b`` rows
-  get the same permutation (inverted on import).
+* Families whose q/k rows llama.cpp permutes for its rope (``gguf_rope_permuted`` in their architecture plugin:
+  Llama, Mixtral): the q/k ``lora_b`` rows get the same permutation (inverted on import).
 
 Tensors are written F32 (F16 adapters stay F16; BF16 ones are widened to F32, exactly). Extra keys under
 ``ktcore.adapter.*`` (ignored by llama.cpp) keep the PEFT config, the HF module of each tensor and the
 base-model fingerprint, so PEFT -> GGUF -> PEFT is bit-exact. A GGUF LoRA from another tool (no
 ``ktcore.adapter.tensor_map``) is mapped back through the base model's config (``--base``).
+
+The GGUF names of the base model's tensors (its GGUF architecture, gguf's name map plus the family's extra
+names, the experts' names, the rope permutation) come from its architecture plugin, as for the GGUF loader.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
-from ktcore import adapters as core
-from ktcore.adapters import AdapterError
+from ktcore.adapters.canonical import (Adapter, AdapterError, fuse_gate_up, layer_of, peft_config_for, split_expert_parts,
+                                       uniform_rank)
+from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base
+from ktcore.files import atomic_file
+from ktcore.plugins import get_registry
+from ktcore.weights.gguf_reader import (GGUFFile, GGUFNames, gguf_config, is_rope_permuted, rope_permute,
+                                       rope_unpermute)
 
-ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "llama": "llama", "mixtral": "llama",
-         "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "qwen2": "qwen2", "qwen3": "qwen3"}
-EXPERT_NAMES = {"gate": "blk.{layer}.ffn_gate_exps.weight", "up": "blk.{layer}.ffn_up_exps.weight",
-                "down": "blk.{layer}.ffn_down_exps.weight"}
-_DENSE = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj")  # not in llama.cpp's MoE arch tables
-_QK = re.compile(r"\.attn_(q|k)\.weight$")
 META = "ktcore.adapter."
 
 
@@ -49,17 +49,6 @@ def _gguf():
     except ImportError as exc:  # pragma: no cover
         raise AdapterError("the gguf adapter format needs the gguf package: pip install gguf") from exc
     return gguf
-
-
-def _permute(w, n_head: int):
-    """llama.cpp's rotary row order for q/k (per head: halves -> interleaved pairs)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _unpermute(w, n_head: int):
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _field(reader, key, default=None):
@@ -76,57 +65,50 @@ class BaseInfo:
     """What naming the adapter's tensors needs from the base model (a model directory or a .gguf)."""
 
     def __init__(self, base: Path):
+        from transformers import AutoConfig
+
+        from ktcore.model.wrap import find_arch
+
         self.path = base
         if base.is_file() and base.suffix.lower() == ".gguf":
-            reader = _gguf().GGUFReader(str(base))
-            self.arch = _field(reader, "general.architecture")
-            self.layers = int(_field(reader, f"{self.arch}.block_count"))
-            self.heads = int(_field(reader, f"{self.arch}.attention.head_count"))
-            self.kv_heads = int(_field(reader, f"{self.arch}.attention.head_count_kv", self.heads))
-            self.config = None
+            with GGUFFile(base) as file:
+                self.config = gguf_config(file)
         else:
-            cfg = json.loads((base / "config.json").read_text(encoding="utf-8"))
-            cfg = cfg.get("text_config", cfg)
-            if cfg.get("model_type") not in ARCHS:
-                raise AdapterError(f"{base}: model_type {cfg.get('model_type')!r} has no known GGUF architecture "
-                                   f"(known: {', '.join(sorted(ARCHS))})")
-            self.arch = ARCHS[cfg["model_type"]]
-            self.layers = int(cfg["num_hidden_layers"])
-            self.heads = int(cfg["num_attention_heads"])
-            self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
-            self.config = base
-        gguf = _gguf()
-        enum = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch), None)
-        if enum is None:
-            raise AdapterError(f"gguf does not know architecture {self.arch!r}")
-        self.name_map = gguf.get_tensor_name_map(enum, self.layers)
+            self.config = AutoConfig.from_pretrained(base)
+        self.spec = find_arch(self.config)
+        if not self.spec.gguf_architecture:
+            raise AdapterError(f"{base}: the {self.spec.name} architecture plugin declares no GGUF architecture")
+        self.arch = self.spec.gguf_architecture
+        text = self.config.get_text_config()
+        self.heads = int(text.num_attention_heads)
+        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.heads)
+        self.names = GGUFNames(self.spec, int(text.num_hidden_layers), base)
 
     def gguf_name(self, module: str):
-        target = self.name_map.get_name(module + ".weight", try_suffixes=(".weight", ".bias"))
-        if target is None and (m := _DENSE.fullmatch(module)):
-            target = f"blk.{m.group(1)}.ffn_{m.group(2)}.weight"
-        return target
+        return self.names(module + ".weight")
 
-    def heads_of(self, target: str) -> int:
+    def expert_name(self, part: str, module: str) -> str:
+        return self.spec.gguf_expert_keys[part].format(layer=layer_of(module))
+
+    def permuted_heads(self, target: str):
+        """The head count of a q/k tensor whose rows llama.cpp permutes, else None."""
+        if not is_rope_permuted(self.spec, target):
+            return None
         return self.heads if ".attn_q." in target else self.kv_heads
 
     def inverse_map(self) -> dict:
         """GGUF tensor name -> HF module (or [experts module, part]) from the base config (foreign adapters)."""
-        if self.config is None:
-            raise AdapterError("this GGUF adapter has no ktcore.adapter.tensor_map; mapping its tensors back to "
-                               "HF modules needs the base model directory (--base DIR with config.json)")
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.config))
+            model = AutoModelForCausalLM.from_config(self.config)
         out = {}
         for name, _ in model.named_parameters():
             module, _, leaf = name.rpartition(".")
             if leaf in ("gate_up_proj", "down_proj") and module.endswith("experts"):
-                layer = core.layer_of(module)
                 for part in (("gate", "up") if leaf == "gate_up_proj" else ("down",)):
-                    out[EXPERT_NAMES[part].format(layer=layer)] = [module, part]
+                    out[self.expert_name(part, module)] = [module, part]
             elif leaf == "weight" and (target := self.gguf_name(module)) is not None:
                 out[target] = module
         return out
@@ -135,20 +117,13 @@ class BaseInfo:
 class Format:
     name = "gguf"
 
-    def sniff(self, path) -> bool:
-        path = Path(path)
-        if not path.is_file():
-            return False
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-
     # ---- writing -----------------------------------------------------------------------------------------
-    def save(self, adapter: core.Adapter, dst, base=None) -> Path:
+    def save(self, adapter: Adapter, dst, base=None) -> Path:
         import torch
 
         gguf = _gguf()
         adapter.check()
-        base_path = core.resolve_base(adapter.base_model, base)
+        base_path = resolve_base(adapter.base_model, base)
         if base_path is None:
             raise AdapterError(f"naming GGUF adapter tensors needs the base model; {adapter.base_model!r} is not a "
                                "local path: pass --base DIR (or the base .gguf)")
@@ -166,27 +141,23 @@ class Format:
                 raise AdapterError(f"LoRA on {module}: no GGUF tensor name for it in architecture {info.arch!r}")
             if target.startswith("token_embd"):
                 raise AdapterError(f"LoRA on {module}: embedding LoRA is not supported in GGUF adapters")
-            if info.arch == "llama" and _QK.search(target):
-                b = _permute(b, info.heads_of(target))
-            add(target, a, b, module)
+            heads = info.permuted_heads(target)
+            add(target, a, b if heads is None else rope_permute(b, heads), module)
         for module, parts in sorted(adapter.experts.items()):
-            layer = core.layer_of(module)
-            for part, (a, b) in core.split_expert_parts(parts).items():
-                add(EXPERT_NAMES[part].format(layer=layer), a, b, [module, part])
+            for part, (a, b) in split_expert_parts(parts).items():
+                add(info.expert_name(part, module), a, b, [module, part])
 
         dst = Path(dst)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-        os.close(fd)
-        try:
+        with atomic_file(dst) as tmp:
             writer = gguf.GGUFWriter(tmp, info.arch)
             writer.add_type(gguf.GGUFType.ADAPTER)
             writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
             writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(adapter.alpha))
-            writer.add_string(META + "peft_config", json.dumps(core.peft_config_for(adapter), sort_keys=True))
+            writer.add_string(META + "peft_config", json.dumps(peft_config_for(adapter), sort_keys=True))
             writer.add_string(META + "tensor_map", json.dumps(tmap, sort_keys=True))
             writer.add_string(META + "base_model", str(Path(base_path).resolve()))
-            writer.add_string(META + "base_fingerprint", core.base_fingerprint(base_path))
+            writer.add_string(META + "base_fingerprint", base_fingerprint(base_path))
             for name, t in tensors:
                 t = t.detach().cpu()
                 t = t if t.dtype == torch.float16 else t.float()
@@ -195,11 +166,6 @@ class Format:
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
             writer.close()
-            core.fsync_path(tmp)
-            os.replace(tmp, dst)
-            core.fsync_path(dst.parent)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
         return dst
 
     # ---- reading -------------------------------------------------------------------------------------------
@@ -207,7 +173,7 @@ class Format:
         import torch
 
         gguf = _gguf()
-        path = core.local_adapter_path(path)
+        path = local_adapter_path(path)
         try:
             reader = gguf.GGUFReader(str(path))
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
@@ -251,10 +217,10 @@ class Format:
 
         tmap_text = _field(reader, META + "tensor_map")
         recorded_base = _field(reader, META + "base_model")
-        base_path = core.resolve_base(recorded_base, base)
+        base_path = resolve_base(recorded_base, base)
         fingerprint = _field(reader, META + "base_fingerprint")
         if base_path is not None and fingerprint is not None:
-            got = core.base_fingerprint(base_path)
+            got = base_fingerprint(base_path)
             if got != fingerprint:
                 raise AdapterError(f"{path}: made for base model {recorded_base!r}, but {base_path} has another "
                                    "fingerprint: other base model; refusing")
@@ -273,7 +239,7 @@ class Format:
         peft_config = json.loads(_field(reader, META + "peft_config") or "{}")
         return reader, pairs, tmap, float(alpha), r, arch, info, peft_config, recorded_base, checks
 
-    def load(self, path, base=None) -> core.Adapter:
+    def load(self, path, base=None) -> Adapter:
         _, pairs, tmap, alpha, r, arch, info, peft_config, recorded_base, _ = self._read(path, base)
         linear, split = {}, {}
         for target, ab in pairs.items():
@@ -282,11 +248,12 @@ class Format:
             if isinstance(source, list):
                 split.setdefault(source[0], {})[source[1]] = (a, b)
                 continue
-            if arch == "llama" and _QK.search(target):
-                heads = info.heads_of(target) if info is not None else None
-                if heads is None:
-                    raise AdapterError(f"{target}: undoing llama.cpp's q/k row order needs the base model (--base)")
-                b = _unpermute(b, heads)
+            if info is not None:
+                heads = info.permuted_heads(target)
+                b = b if heads is None else rope_unpermute(b, heads)
+            elif any(is_rope_permuted(s, target) for s in get_registry().specs("arch").values()
+                     if s.gguf_architecture == arch):
+                raise AdapterError(f"{target}: undoing llama.cpp's q/k row order needs the base model (--base)")
             linear[source] = (a, b)
         experts = {}
         for module, parts in split.items():
@@ -294,12 +261,12 @@ class Format:
             if "gate" in parts or "up" in parts:
                 if not ("gate" in parts and "up" in parts):
                     raise AdapterError(f"{module}: GGUF adapter has gate LoRA without up LoRA or the reverse")
-                a, b, _ = core.fuse_gate_up(parts["gate"], parts["up"])
+                a, b, _ = fuse_gate_up(parts["gate"], parts["up"])
                 out["gate_up"] = (a, b)
             if "down" in parts:
                 out["down"] = parts["down"]
             experts[module] = out
-        return core.uniform_rank(r, alpha, linear, experts, peft_config, recorded_base)
+        return uniform_rank(r, alpha, linear, experts, peft_config, recorded_base)
 
     def verify(self, path, base=None) -> list[str]:
         checks = self._read(path, base)[-1]
