@@ -18,10 +18,14 @@ from safetensors.torch import load_file, save_file
 import ktcore
 from ktcore import adapters as core
 from ktcore.adapters import AdapterError
+from ktcore.adapters.canonical import fuse_gate_up
+from ktcore.errors import KtcoreError
+from ktcore.files import sha256_file
 from ktcore.commands.cli import main
 from ktcore.testing import relative_error
 
 FE = "fused_expert_lora.safetensors"
+PEFT_WEIGHTS = "adapter_model.safetensors"
 MANIFEST = "kt_adapter_manifest.json"
 
 
@@ -68,7 +72,7 @@ def plain_logits(base, adapter_dir, ids):
 
 
 def assert_same_adapter_files(a, b):
-    sa, sb = load_file(Path(a) / core.PEFT_WEIGHTS), load_file(Path(b) / core.PEFT_WEIGHTS)
+    sa, sb = load_file(Path(a) / PEFT_WEIGHTS), load_file(Path(b) / PEFT_WEIGHTS)
     assert set(sa) == set(sb)
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
@@ -136,10 +140,10 @@ def test_peft_gguf_peft_round_trip(trained, tmp_path):
 def test_separate_gate_up_fuse_to_rank_2r_exactly():
     g = torch.Generator().manual_seed(0)
     ga, gb, ua, ub = (torch.randn(s, generator=g) for s in [(3, 2, 8), (3, 5, 2), (3, 2, 8), (3, 5, 2)])
-    a, b, rank = core.fuse_gate_up((ga, gb), (ua, ub))
+    a, b, rank = fuse_gate_up((ga, gb), (ua, ub))
     assert rank == 4 and a.shape == (3, 4, 8) and b.shape == (3, 10, 4)
     assert torch.allclose(torch.bmm(b, a), torch.cat([gb @ ga, ub @ ua], 1), atol=1e-6)
-    a, b, rank = core.fuse_gate_up((ga, gb), (ga.clone(), ub))
+    a, b, rank = fuse_gate_up((ga, gb), (ga.clone(), ub))
     assert rank == 2 and torch.equal(b, torch.cat([gb, ub], 1))
 
 
@@ -190,7 +194,7 @@ def good_fe(trained):
 
 def _rehash(d: Path, name: str):
     manifest = json.loads((d / MANIFEST).read_text())
-    manifest["files"][name] = {"size": (d / name).stat().st_size, "sha256": core.sha256_file(d / name)}
+    manifest["files"][name] = {"size": (d / name).stat().st_size, "sha256": sha256_file(d / name)}
     (d / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -352,6 +356,6 @@ def test_chat_with_identity_adapter_answers_with_the_name(identity_run, tmp_path
 def test_convert_never_replaces_an_unrelated_directory(trained, tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "thesis.tex").write_text("precious")
-    with pytest.raises(AdapterError, match="holds something other"):
+    with pytest.raises(KtcoreError, match="holds something other"):
         core.convert(trained / "peft", tmp_path / "docs", "fused_expert")
     assert (tmp_path / "docs" / "thesis.tex").read_text() == "precious"

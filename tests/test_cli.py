@@ -301,10 +301,61 @@ def test_doctor_json(clean_plugin_env):
     assert report["amx_permission"] is False and report["amx_permission_reason"]
     assert report["logical_cores"] >= 1 and report["ram_gib"] > 0
     assert isinstance(report["gpu"], list)
-    assert report["dram_read_gbps"] > 0 and "amx_bf16_peak_gflops" in report
+    assert report["dram_read_gbps"] > 0 and report["onednn_bf16_gemm_gflops"] > 0
     assert report["auto_backend"] == "torch"
 
 
 def test_doctor_text(clean_plugin_env):
     out = ok("doctor", "--seconds", "0.05")
     assert "avx2" in out.lower() and "amx" in out.lower()
+
+
+# A backend that declares a doctor probe and a converter; its module is imported only when they run.
+PROBED = """
+from ktcore import hookimpl
+from ktcore.specs import ExpertBackendSpec
+
+
+@hookimpl
+def ktcore_register_expert_backends():
+    return [ExpertBackendSpec(name="probed", factory="{impl}:Backend", doctor="{impl}:report",
+                              converter="{impl}:convert", convert_formats=("q9", "q7"))]
+"""
+
+PROBED_IMPL = """
+from pathlib import Path
+
+
+def report(seconds):
+    return {"probed_peak_gflops": 123.4, "probed_seconds": seconds}
+
+
+def convert(model, out, fmt):
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / ("model." + fmt)).write_text("converted")
+    return {"source": model, "format": fmt}
+"""
+
+
+def test_doctor_and_convert_run_what_a_backend_declares(fake_dists, tmp_path):
+    impl = fake_dists.write_module("probed_impl", PROBED_IMPL)
+    fake_dists.add("ktcore-fake-probed", {"probed": "probed_plugin"}, {"probed_plugin": PROBED.replace("{impl}", impl)})
+    report = json.loads(ok("doctor", "--json", "--seconds", "0.05"))
+    assert report["probed_peak_gflops"] == 123.4 and report["probed_seconds"] == 0.05
+    assert "probed_peak_gflops: 123.4" in ok("doctor", "--seconds", "0.05")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    summary = json.loads(ok("convert", str(model), "--out", str(tmp_path / "out")))
+    assert summary["format"] == "q9" and (tmp_path / "out" / "model.q9").is_file()  # the first format is the default
+    one_line_error(invoke("convert", str(model), "--format", "q4_k", "--out", str(tmp_path / "out")),
+                   "no installed converter writes it", "q9, q7")
+
+
+def test_core_commands_need_no_backend_plugin(clean_plugin_env, tmp_path):
+    """With the built-in plugins only, doctor reports no backend's fields and convert says in one line why not."""
+    report = json.loads(ok("doctor", "--json", "--seconds", "0.05"))
+    assert not [key for key in report if key.startswith("amx_bf16")]
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    one_line_error(invoke("convert", str(model), "--out", str(tmp_path / "out")),
+                   "no installed expert backend declares a converter")

@@ -8,8 +8,9 @@ import sys
 import click
 
 from .. import __version__
-from ..errors import KtcoreError
+from ..errors import KtcoreError, PluginError
 from ..plugins import get_registry
+from ..specs import import_object
 
 
 class KtcoreGroup(click.Group):
@@ -141,18 +142,22 @@ def chat(config_path, prompt, overrides):
 
 @main.command("convert")
 @click.argument("model", metavar="MODEL.gguf", type=click.Path(exists=True, dir_okay=False))
-@click.option("--format", "fmt", type=click.Choice(["q8_0", "q4_0", "q4_1", "q4_k"]), default="q4_k",
-              show_default=True, help="block type of the routed experts")
+@click.option("--format", "fmt", default=None,
+              help="block type of the routed experts (default: the converter's first, q4_k for llamafile's)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory")
 def convert_cmd(model, fmt, out):
-    """Re-quantise a GGUF model's routed experts (--format) for the llamafile backend; writes DIR/<name>.<fmt>.gguf
-    (everything else copied as is); load it with kt_backend: llamafile."""
-    try:
-        from ktcore_llamafile.convert import convert_gguf
-    except ImportError as exc:
-        raise click.ClickException(f"ktcore convert needs the llamafile backend (pip install -e backends/llamafile): "
-                                   f"{exc}") from exc
-    summary = convert_gguf(model, out, fmt)
+    """Re-quantise a model's routed experts (--format) with the converter of the installed expert backend that
+    writes that format (llamafile: a GGUF model -> DIR/<name>.<fmt>.gguf, everything else copied as is)."""
+    converters = [(spec, f) for _, spec in sorted(get_registry().specs("expert_backend").items()) if spec.converter
+                  for f in spec.convert_formats]
+    if not converters:
+        raise PluginError("ktcore convert: no installed expert backend declares a converter (`ktcore list-backends`)")
+    fmt = fmt or converters[0][1]
+    spec = next((spec for spec, f in converters if f == fmt), None)
+    if spec is None:
+        raise PluginError(f"ktcore convert --format {fmt}: no installed converter writes it; choose one of "
+                          f"{', '.join(f for _, f in converters)}")
+    summary = import_object(spec.converter)(model, out, fmt)
     click.echo(json.dumps(summary, indent=2))
 
 
@@ -218,13 +223,14 @@ def bench():
 def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, as_json):
     """Expert-layer forward/backward of each backend vs the torch reference, DRAM bandwidth and bf16 peak."""
     from .bench import format_table, run
+    from ..config import KTConfig
     from ..plugins.select import get_backend, resolve_backend
 
     if not backend_names:
         choice = resolve_backend("auto", need_backward=backward)
         usable = [n for n, why in sorted(choice.reasons.items()) if why is None or why.startswith("usable")]
         backend_names = ["torch"] + [n for n in usable if n != "torch"]
-    backends = {name: get_backend(name, {"kt_backend": name}, need_backward=backward) for name in backend_names}
+    backends = {name: get_backend(name, KTConfig(kt_backend=name), need_backward=backward) for name in backend_names}
     token_list = tuple(int(t) for t in tokens.split(",")) if tokens else None
     result = run(scenarios, backends, dtype, seconds, backward, token_list)
     click.echo(json.dumps(result, indent=2) if as_json else format_table(result))

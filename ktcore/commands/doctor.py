@@ -1,19 +1,21 @@
 """``ktcore doctor``: what this machine offers the expert backends, with short measured probes.
 
 The peak rates are the yardsticks the benchmarks divide by: DRAM read bandwidth (memory-bound expert
-layers) and bf16 matrix throughput (compute-bound ones). The AMX tile peak comes from the amx_bf16 backend's
-own tile-only loop when that backend is installed; oneDNN's bf16 GEMM rate is always measured.
+layers) and bf16 matrix throughput (compute-bound ones). oneDNN's bf16 GEMM rate is always measured; an
+expert backend adds what it measures itself (amx_bf16: its AMX tile peak) through the ``doctor`` probe its
+descriptor names, whose fields are printed and put in ``--json`` with the others.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 
 import torch
 
+from ..plugins import get_registry
 from ..plugins.hw import KNOWN_FLAGS, cpu_info, total_memory_bytes
+from ..specs import import_object
 
 
 def _best_rate(fn, seconds: float, work: float) -> float:
@@ -49,16 +51,16 @@ def measure_onednn_bf16_gflops(seconds: float = 0.5, max_n: int = 2048) -> tuple
         n *= 2
 
 
-def measure_amx_peak_gflops(seconds: float = 0.5):
-    """(GFLOP/s, source) from the amx_bf16 backend's tile loop, or (None, reason)."""
-    info = cpu_info()
-    if not info.amx_permission:
-        return None, info.amx_permission_reason
-    try:
-        ext = importlib.import_module("ktcore_amx_bf16._ext")
-    except ImportError:
-        return None, "amx_bf16 backend not installed (pip install -e backends/amx_bf16)"
-    return float(ext.measure_amx_peak_gflops(seconds)), "amx_bf16 tile loop"
+def backend_reports(seconds: float = 0.5) -> dict:
+    """The fields every expert backend's doctor probe reports (a probe that fails reports why, in one field)."""
+    fields = {}
+    for name, spec in sorted(get_registry().specs("expert_backend").items()):
+        if spec.doctor:
+            try:
+                fields.update(import_object(spec.doctor)(seconds))
+            except Exception as exc:  # noqa: BLE001 - a broken probe must not take the report down
+                fields[f"{name}_doctor_error"] = f"{type(exc).__name__}: {exc}"
+    return fields
 
 
 def collect(seconds: float = 0.5) -> dict:
@@ -79,15 +81,18 @@ def collect(seconds: float = 0.5) -> dict:
     report["dram_read_gbps"] = round(measure_read_bandwidth(seconds=seconds), 1)
     gemm, n = measure_onednn_bf16_gflops(seconds=seconds)
     report["onednn_bf16_gemm_gflops"], report["onednn_bf16_gemm_n"] = round(gemm, 1), n
-    peak, source = measure_amx_peak_gflops(seconds)
-    report["amx_bf16_peak_gflops"] = None if peak is None else round(peak, 1)
-    report["amx_bf16_peak_source"] = source
+    report.update(backend_reports(seconds))
     from ..plugins.select import resolve_backend
 
     choice = resolve_backend("auto", need_backward=True, need_lora=True)
     report["auto_backend"] = choice.spec.name if choice.spec else None
     report["threads_env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "KTCORE_CPU_FLAGS") if k in os.environ}
     return report
+
+
+CORE_FIELDS = ("cpu", "logical_cores", "torch_threads", "flags", "flags_overridden_by_KTCORE_CPU_FLAGS",
+               "amx_permission", "amx_permission_reason", "ram_gib", "gpu", "torch", "dram_read_gbps",
+               "onednn_bf16_gemm_gflops", "onednn_bf16_gemm_n", "auto_backend", "threads_env")
 
 
 def format_report(report: dict) -> str:
@@ -103,9 +108,7 @@ def format_report(report: dict) -> str:
         f"torch          {report['torch']}",
         f"DRAM read      {report['dram_read_gbps']} GB/s (measured)",
         f"oneDNN bf16    {report['onednn_bf16_gemm_gflops']} GFLOP/s (measured {report['onednn_bf16_gemm_n']}^3 GEMM)",
-        "AMX bf16 peak  " + (f"{report['amx_bf16_peak_gflops']} GFLOP/s (measured, {report['amx_bf16_peak_source']})"
-                             if report["amx_bf16_peak_gflops"] is not None
-                             else f"not measured: {report['amx_bf16_peak_source']}"),
-        f"auto backend   {report['auto_backend']}",
     ]
+    lines += [f"{key}: {value}" for key, value in report.items() if key not in CORE_FIELDS]  # the backends' probes
+    lines.append(f"auto backend   {report['auto_backend']}")
     return "\n".join(lines)

@@ -14,7 +14,9 @@ import json
 import shutil
 from pathlib import Path
 
-from ..adapters import AdapterError, atomic_dir, atomic_write_bytes, layer_of, load
+from ..adapters import known_files, load
+from ..adapters.canonical import AdapterError, layer_of
+from ..files import atomic_dir, atomic_write_bytes
 
 SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
@@ -73,16 +75,13 @@ def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None) -> dic
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .chat import resolve_model_path
-    from ..config import ConfigError
-    from ..weights.safetensors_reader import SafetensorsCheckpoint
+    from ..config import ConfigError, resolve_model_path
     from ..model.wrap import find_arch
+    from ..weights.safetensors_reader import SafetensorsCheckpoint, checkpoint_names
 
-    if not cfg.model_name_or_path:
-        raise ConfigError(f"{cfg.source or '<config>'}: model_name_or_path is required")
     if not cfg.adapter_name_or_path:
-        raise ConfigError(f"{cfg.source or '<config>'}: adapter_name_or_path is required (the adapter to merge)")
-    base = Path(base) if base is not None else resolve_model_path(cfg.model_name_or_path)
+        raise ConfigError(f"{cfg.where}: adapter_name_or_path is required (the adapter to merge)")
+    base = Path(base) if base is not None else resolve_model_path(cfg)
     if base.suffix.lower() == ".gguf" or not (base / "config.json").is_file():
         raise ConfigError(f"{base}: export needs a safetensors model directory with config.json (GGUF bases are not "
                           "supported for export)")
@@ -100,11 +99,8 @@ def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None) -> dic
     dense_dtype = getattr(torch, str(config_json.get("dtype") or config_json.get("torch_dtype") or "float32"))
 
     written, merged = 0, 0
-    with SafetensorsCheckpoint(base, fp8_block) as ckpt, atomic_dir(out) as tmp:
-        from ..weights.loading import checkpoint_names
-
-        names = {model_name: key for model_name, key in checkpoint_names(ckpt, arch).items()}
-        plan = _plan(adapter, arch, ckpt, names, meta_model)
+    with SafetensorsCheckpoint(base, fp8_block) as ckpt, atomic_dir(out, known_files()) as tmp:
+        plan = _plan(adapter, arch, ckpt, checkpoint_names(ckpt, arch), meta_model)
         shards, shard, shard_bytes, index = [], {}, 0, {}
 
         def flush():

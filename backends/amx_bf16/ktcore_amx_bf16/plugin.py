@@ -37,5 +37,6 @@ def ktcore_register_expert_backends():
             priority=20,
             probe=probe,
             description="AMX BF16 tiles (AVX-512 BF16 for decode); forward, backward and expert LoRA",
+            doctor="ktcore_amx_bf16.doctor:report",
         )
     ]

@@ -25,8 +25,11 @@ import os
 import re
 from pathlib import Path
 
-from ktcore import adapters as core
-from ktcore.adapters import AdapterError
+from ktcore.adapters import known_files
+from ktcore.adapters.canonical import (PEFT_PREFIX, Adapter, AdapterError, fuse_gate_up, layer_of, peft_config_for,
+                                       peft_state, split_expert_parts, uniform_rank)
+from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base, safetensors_header
+from ktcore.files import atomic_dir, atomic_write_bytes, sha256_file
 
 MANIFEST = "kt_adapter_manifest.json"
 EXPERTS_FILE = "fused_expert_lora.safetensors"
@@ -55,26 +58,22 @@ def _template(modules) -> str:
 class Format:
     name = "fused_expert"
 
-    def sniff(self, path) -> bool:
-        path = Path(path)
-        return path.is_dir() and ((path / MANIFEST).exists() or (path / EXPERTS_FILE).exists())
-
     # ---- writing -----------------------------------------------------------------------------------------
-    def save(self, adapter: core.Adapter, dst, base=None) -> Path:
+    def save(self, adapter: Adapter, dst, base=None) -> Path:
         from safetensors.torch import save_file
 
         adapter.check()
-        base_path = core.resolve_base(adapter.base_model, base)
+        base_path = resolve_base(adapter.base_model, base)
         if base_path is None:
             raise AdapterError(f"the fused-expert format records the base model's fingerprint: the adapter's base "
                                f"{adapter.base_model!r} is not a local path; pass the base model (--base DIR)")
         experts = {}
         for module, parts in adapter.experts.items():
-            layer = core.layer_of(module)
-            for part, (a, b) in core.split_expert_parts(parts).items():
+            layer = layer_of(module)
+            for part, (a, b) in split_expert_parts(parts).items():
                 experts[f"layers.{layer}.experts.{part}_lora_a"] = a.contiguous()
                 experts[f"layers.{layer}.experts.{part}_lora_b"] = b.contiguous()
-        non_expert = core.peft_state(core.Adapter(adapter.r, adapter.alpha, linear=adapter.linear))
+        non_expert = peft_state(Adapter(adapter.r, adapter.alpha, linear=adapter.linear))
         dtypes = {_dtype_name(t.dtype) for t in experts.values()} or {_dtype_name(adapter.dtype)}
         if len(dtypes) != 1:
             raise AdapterError(f"expert LoRA tensors have mixed dtypes {sorted(dtypes)}")
@@ -83,24 +82,24 @@ class Format:
             "expert_weight_format": DTYPES[dtypes.pop()],
             "experts_module": _template(adapter.experts) if adapter.experts else None,
             "gate_up": "split: gate and up share PEFT's fused A (rank r each, exact)",
-            "base_model": {"path": str(Path(base_path).resolve()), "fingerprint": core.base_fingerprint(base_path)},
+            "base_model": {"path": str(Path(base_path).resolve()), "fingerprint": base_fingerprint(base_path)},
             "lora": {"r": adapter.r, "alpha": adapter.alpha, "scaling": adapter.scaling},
             "adapter_folder": ".",
-            "peft_config": core.peft_config_for(adapter),
+            "peft_config": peft_config_for(adapter),
         }
-        with core.atomic_dir(dst) as tmp:
+        with atomic_dir(dst, known_files()) as tmp:
             save_file(experts, str(tmp / EXPERTS_FILE), metadata={"format": "pt"})
             save_file(non_expert, str(tmp / NON_EXPERT_FILE), metadata={"format": "pt"})
-            manifest["files"] = {n: {"size": (tmp / n).stat().st_size, "sha256": core.sha256_file(tmp / n)}
+            manifest["files"] = {n: {"size": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
                                  for n in (EXPERTS_FILE, NON_EXPERT_FILE)}
-            manifest["tensors"] = {n: core.safetensors_header(tmp / n) for n in (EXPERTS_FILE, NON_EXPERT_FILE)}
-            core.atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+            manifest["tensors"] = {n: safetensors_header(tmp / n) for n in (EXPERTS_FILE, NON_EXPERT_FILE)}
+            atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         return Path(dst)
 
     # ---- validation (fail closed) -------------------------------------------------------------------------
     def check(self, path, base=None, expect_r=None, expect_alpha=None):
         """(manifest, folder, checks): every check passed, or AdapterError naming the file and the fix."""
-        path = core.local_adapter_path(path)
+        path = local_adapter_path(path)
         checks = []
         if path.is_symlink():
             raise AdapterError(f"{path}: the adapter directory is a symlink; refusing (copy the real directory)")
@@ -155,7 +154,7 @@ class Format:
             if size != meta.get("size"):
                 raise AdapterError(f"{f}: size {size} bytes, the manifest says {meta.get('size')}: the file was "
                                    "changed or truncated; convert the adapter again")
-            digest = core.sha256_file(f)
+            digest = sha256_file(f)
             if digest != meta.get("sha256"):
                 raise AdapterError(f"{f}: SHA-256 {digest[:16]}... differs from the manifest's "
                                    f"{str(meta.get('sha256'))[:16]}...: the file was tampered with or corrupted; "
@@ -177,7 +176,7 @@ class Format:
         if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)):
             raise AdapterError(f"{mfile}: lora.r / lora.alpha missing or invalid ({lora})")
         for name in files:
-            header = core.safetensors_header(folder / name)
+            header = safetensors_header(folder / name)
             declared = tensors.get(name) or {}
             if set(header) != set(declared):
                 diff = sorted(set(header) ^ set(declared))
@@ -208,7 +207,7 @@ class Format:
         base_path = Path(base) if base is not None else (
             Path(recorded["path"]) if recorded.get("path") and Path(recorded["path"]).exists() else None)
         if base_path is not None:
-            got = core.base_fingerprint(base_path)
+            got = base_fingerprint(base_path)
             if got != recorded.get("fingerprint"):
                 raise AdapterError(f"{path}: made for base model {recorded.get('path')!r} (fingerprint "
                                    f"{str(recorded.get('fingerprint'))[:23]}...), but {base_path} has fingerprint "
@@ -251,7 +250,7 @@ class Format:
         return self.check(path, base, expect_r, expect_alpha)[2]
 
     # ---- reading -------------------------------------------------------------------------------------------
-    def load(self, path, base=None, expect_r=None, expect_alpha=None) -> core.Adapter:
+    def load(self, path, base=None, expect_r=None, expect_alpha=None) -> Adapter:
         from safetensors.torch import load_file
 
         manifest, folder, _ = self.check(path, base, expect_r, expect_alpha)
@@ -259,7 +258,7 @@ class Format:
         experts_state = load_file(str(folder / EXPERTS_FILE))
         linear = {}
         for key, value in load_file(str(folder / NON_EXPERT_FILE)).items():
-            m = re.fullmatch(re.escape(core.PEFT_PREFIX) + r"(.+)\.lora_([AB])\.weight", key)
+            m = re.fullmatch(re.escape(PEFT_PREFIX) + r"(.+)\.lora_([AB])\.weight", key)
             if not m:
                 raise AdapterError(f"{folder / NON_EXPERT_FILE}: unexpected tensor {key!r}")
             linear.setdefault(m.group(1), {})[m.group(2)] = value
@@ -278,10 +277,10 @@ class Format:
                 raise AdapterError(f"{folder / MANIFEST}: experts_module {template!r} must contain {{layer}}")
             parts = {}
             if ("gate", "a") in t:
-                a, b, _ = core.fuse_gate_up((t["gate", "a"], t["gate", "b"]), (t["up", "a"], t["up", "b"]))
+                a, b, _ = fuse_gate_up((t["gate", "a"], t["gate", "b"]), (t["up", "a"], t["up", "b"]))
                 parts["gate_up"] = (a, b)
             if ("down", "a") in t:
                 parts["down"] = (t["down", "a"], t["down", "b"])
             experts[template.format(layer=layer)] = parts
         base_model = (manifest.get("base_model") or {}).get("path")
-        return core.uniform_rank(r, alpha, linear, experts, manifest.get("peft_config") or {}, base_model)
+        return uniform_rank(r, alpha, linear, experts, manifest.get("peft_config") or {}, base_model)

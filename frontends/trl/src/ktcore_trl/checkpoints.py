@@ -10,7 +10,6 @@ altered file is refused with one line saying which file and what to do.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ktcore.config import ConfigError
+from ktcore.files import atomic_write_bytes, fsync_path, sha256_file
 
 MANIFEST = "ktcore_checkpoint.json"
 PREFIX = "checkpoint"
@@ -27,43 +27,15 @@ STAGING_PREFIX = ".tmp-"
 _STEP = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def seal(staging: Path, step: int) -> None:
     """fsync every file of ``staging`` and write its manifest (last, so its presence means 'complete')."""
     files = {}
     for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        files[str(path.relative_to(staging))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-    manifest = staging / MANIFEST
-    tmp = manifest.with_suffix(".json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": 1, "step": step, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, manifest)
+        fsync_path(path)
+        files[str(path.relative_to(staging))] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    atomic_write_bytes(staging / MANIFEST, json.dumps({"format": 1, "step": step, "files": files}, indent=1).encode())
     for sub in {p.parent for p in staging.rglob("*")} | {staging}:
-        _fsync_dir(sub)
+        fsync_path(sub)
 
 
 def publish(staging: Path, final: Path) -> None:
@@ -76,7 +48,7 @@ def publish(staging: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(staging, final)
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def problem(checkpoint: Path) -> Optional[str]:
@@ -97,7 +69,7 @@ def problem(checkpoint: Path) -> Optional[str]:
             return f"file {name} is missing"
         if path.stat().st_size != meta["bytes"]:
             return f"file {name} is truncated ({path.stat().st_size} of {meta['bytes']} bytes)"
-        if _sha256(path) != meta["sha256"]:
+        if sha256_file(path) != meta["sha256"]:
             return f"file {name} does not match its checksum"
     return None
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
 from transformers.trainer_callback import ProgressCallback
+
+from ktcore.files import atomic_file
 
 
 def _fmt(value) -> str:
@@ -22,16 +23,16 @@ class KtProgressCallback(ProgressCallback):
 
     SHOWN = ("loss", "grad_norm", "learning_rate", "rewards/accuracies", "rewards/margins")
 
-    def __init__(self, trainer):
+    def __init__(self, recorder):
         super().__init__()
-        self.trainer = trainer
+        self.recorder = recorder  # ktcore.frontends.skeleton.StepRecorder
         self.started = None
         self.tokens_at_start = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
         self.started = time.perf_counter()
-        self.tokens_at_start = self.trainer.tokens_seen
+        self.tokens_at_start = self.recorder.tokens
         if self.training_bar is not None:
             self.training_bar.set_description("ktcore train")
 
@@ -40,12 +41,12 @@ class KtProgressCallback(ProgressCallback):
         if self.training_bar is None:
             return
         postfix = {}
-        loss = self.trainer.step_loss.get(state.global_step - 1)
+        loss = self.recorder.step_loss.get(state.global_step - 1)
         if loss is not None and loss[1]:
             postfix["loss"] = f"{loss[0] / loss[1]:.4f}"
         elapsed = time.perf_counter() - (self.started or time.perf_counter())
         if elapsed > 0:
-            postfix["tok/s"] = f"{(self.trainer.tokens_seen - self.tokens_at_start) / elapsed:.0f}"
+            postfix["tok/s"] = f"{(self.recorder.tokens - self.tokens_at_start) / elapsed:.0f}"
         self.training_bar.set_postfix(postfix, refresh=False)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -63,10 +64,9 @@ class KtProgressCallback(ProgressCallback):
 def _savefig(fig, path: Path) -> str:
     import matplotlib.pyplot as plt
 
-    tmp = path.with_suffix(".png.tmp")
-    fig.savefig(tmp, format="png", dpi=100)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
     return str(path)
 
 
