@@ -2,24 +2,30 @@
 
 The model is built on the meta device; every tensor it needs is checked against the checkpoint headers
 first (fail before loading anything); non-expert weights then go to the GPU (or CPU) and routed experts are
-streamed layer by layer from the memory-mapped files into the backend, so peak host memory stays near the
-packed size plus one layer.
+streamed layer by layer from the checkpoint into the backend, so peak host memory stays near the packed size
+plus one layer. ``fill_model`` does this for any checkpoint format that offers the tensors under the model's
+names (``SafetensorsWeights``, ``GGUFWeights``); ``load_model`` opens a model directory or a ``.gguf`` file.
+
+GGUF files: the HF config comes from the GGUF metadata (the architecture plugin's ``gguf_config``) and the
+routed experts (``blk.L.ffn_{gate,up,down}_exps``; the dense MLP ``blk.L.ffn_*`` for Llama) are read layer by
+layer from the mmap, or packed from it as they are by a backend that computes with GGUF blocks.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
-from ..experts import ExpertLayer, ExpertWeights
-from .safetensors_reader import CheckpointError, SafetensorsCheckpoint
-from ..model.wrap import (activation_name, canonical_weights, finish, install_layer, install_resident, plan_placement,
-                   prepare)
+from ..experts import ExpertLayer
+from ..model.wrap import activation_name, finish, install_layer, install_resident, plan_placement, prepare
+from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
+from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights
 
-PARTS = ("gate", "up", "down")
+if TYPE_CHECKING:  # parsed at the edge (ktcore.load_model) and handed down
+    from ..config import KTConfig
 
 
 def _resolve_dtype(hf_config, dtype) -> torch.dtype:
@@ -39,86 +45,6 @@ def _set_tensor(model, name: str, value: torch.Tensor, is_param: bool) -> None:
         module._buffers[leaf] = value
 
 
-def checkpoint_names(ckpt: SafetensorsCheckpoint, arch) -> dict:
-    """model tensor name -> checkpoint tensor name, after the architecture's renames."""
-    mapping = {}
-    for key in ckpt.keys():
-        name = key
-        for pattern, replacement in arch.checkpoint_renames:
-            name = re.sub(pattern, replacement, name)
-        mapping[name] = key
-    return mapping
-
-
-class ExpertSource:
-    """Where one layer's experts are in the checkpoint, validated against the model's shapes."""
-
-    def __init__(self, ckpt: SafetensorsCheckpoint, arch, layer: int, module):
-        self.ckpt, self.arch, self.layer = ckpt, arch, layer
-        if arch.dense_mlp:
-            self.num_experts = 1
-            inter, hidden = module.gate_proj.weight.shape
-        else:
-            self.num_experts, rows, cols = module.gate_up_proj.shape
-            transposed = getattr(module, "is_transposed", False)  # [E, H, 2I] instead of [E, 2I, H]
-            hidden, inter = (rows, cols // 2) if transposed else (cols, rows // 2)
-        self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # nn.Linear [out, in]
-        self.module = module
-        what = f" (routed experts of layer {layer})"
-        if self._key("gate", 0) in ckpt:
-            self.layout = "per_expert"
-            for expert in range(self.num_experts):
-                for part in PARTS:
-                    ckpt.expect(self._key(part, expert), self.shapes[part], what)
-        elif arch.fused_expert_keys and arch.fused_expert_keys["gate_up"].format(layer=layer) in ckpt:
-            self.layout = "fused"
-            ckpt.expect(self._fused("gate_up"), tuple(module.gate_up_proj.shape), what)
-            ckpt.expect(self._fused("down"), tuple(module.down_proj.shape), what)
-        else:
-            looked = [self._key("gate", 0)] + ([self._fused("gate_up")] if arch.fused_expert_keys else [])
-            raise CheckpointError(f"{ckpt.root}: no expert tensors for layer {layer} (looked for "
-                                  f"{' and '.join(map(repr, looked))})")
-
-    def _key(self, part: str, expert: int) -> str:
-        return self.arch.expert_keys[part].format(layer=self.layer, expert=expert)
-
-    def _fused(self, part: str) -> str:
-        return self.arch.fused_expert_keys[part].format(layer=self.layer)
-
-    def read(self, dtype) -> ExpertWeights:
-        if self.layout == "fused":
-            return canonical_weights(self.module, self.ckpt.get(self._fused("gate_up")).to(dtype),
-                                     self.ckpt.get(self._fused("down")).to(dtype))
-        out = {p: torch.empty((self.num_experts, *self.shapes[p]), dtype=dtype) for p in PARTS}
-        for expert in range(self.num_experts):
-            for part in PARTS:
-                out[part][expert].copy_(self.ckpt.get(self._key(part, expert)))
-        return ExpertWeights(out["gate"], out["up"], out["down"])
-
-
-class SafetensorsWeights:
-    """The tensors of a safetensors checkpoint under the model's names (after the architecture's renames)."""
-
-    def __init__(self, ckpt: SafetensorsCheckpoint, arch):
-        self.ckpt, self.arch = ckpt, arch
-        self.names = checkpoint_names(ckpt, arch)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
-    def describe(self, name: str) -> str:
-        return ""
-
-    def expect(self, name: str, shape: tuple) -> None:
-        self.ckpt.expect(self.names[name], shape)
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.ckpt.get(self.names[name])
-
-    def experts(self, layer: int, module) -> ExpertSource:
-        return ExpertSource(self.ckpt, self.arch, layer, module)
-
-
 def _materialise_buffers(model, weights, device) -> None:
     persistent = set(model.state_dict(keep_vars=True).keys())
     for name, buf in list(model.named_buffers()):
@@ -130,12 +56,12 @@ def _materialise_buffers(model, weights, device) -> None:
                 model._init_weights(model.get_submodule(name.rpartition(".")[0]))
 
 
-def fill_model(model, config, open_weights, *, path, dtype, device, need_backward: bool = True,
+def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_backward: bool = True,
                progress: bool = True):
     """Populate a model built on the meta device: validate every tensor ``open_weights(model, arch)`` offers
     first, then non-experts onto ``device`` and routed experts layer by layer into the backend."""
     hf_config = model.config
-    kt, arch, backend, budget, modules = prepare(model, config, need_backward)
+    arch, backend, budget, modules = prepare(model, kt, need_backward)
     act = activation_name(model.config)
     expert_prefixes = tuple(name + "." for _, name, _ in modules)
     weights = open_weights(model, arch)
@@ -166,7 +92,7 @@ def fill_model(model, config, open_weights, *, path, dtype, device, need_backwar
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
-        packed = target.pack_source(sources[name], act) if hasattr(target, "pack_source") else None
+        packed = target.pack_source(sources[name], act) if target is not None else None
         if packed is None:
             expert_weights = sources[name].read(dtype)
             if target is None:
@@ -184,18 +110,16 @@ def fill_model(model, config, open_weights, *, path, dtype, device, need_backwar
     return model
 
 
-def load_model(path, config=None, *, device=None, dtype=None, need_backward: bool = True,
+def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bool = True,
                progress: bool = True, hf_config=None):
     """Load the HF model in ``path`` (a directory saved by save_pretrained, or a ``.gguf`` file) with routed
-    experts in the backend chosen by ``config``. ``hf_config``: build from this (already adjusted) transformers
+    experts in the backend ``kt`` chooses. ``hf_config``: build from this (already adjusted) transformers
     config instead of ``path``'s config.json (a training frontend that patches the config passes it)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     if path.suffix.lower() == ".gguf":
-        from .gguf_loading import load_gguf_model
-
-        return load_gguf_model(path, config, device=device, dtype=dtype, need_backward=need_backward,
+        return load_gguf_model(path, kt, device=device, dtype=dtype, need_backward=need_backward,
                                progress=progress)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; pass a model directory saved by save_pretrained")
@@ -211,8 +135,29 @@ def load_model(path, config=None, *, device=None, dtype=None, need_backward: boo
     with SafetensorsCheckpoint(path, fp8_block) as ckpt:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        fill_model(model, config, lambda _model, arch: SafetensorsWeights(ckpt, arch), path=path, dtype=dtype,
+        fill_model(model, kt, lambda _model, arch: SafetensorsWeights(ckpt, arch), path=path, dtype=dtype,
                    device=device, need_backward=need_backward, progress=progress)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bool = True,
+                    progress: bool = True):
+    """Load a ``.gguf`` file with its routed experts (or Llama MLPs) in the backend ``kt`` chooses.
+
+    ``dtype`` defaults to float32 (GGUF tensors are F32/F16/BF16 or quantised; quantised tensors are
+    dequantised, so there is no single on-disk dtype to keep)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    with GGUFFile(path) as file:
+        hf_config = gguf_config(file)
+        dtype = _resolve_dtype(hf_config, dtype or getattr(hf_config, "dtype", None) or torch.float32)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        fill_model(model, kt, lambda m, arch: GGUFWeights(file, m, arch), path=path, dtype=dtype,
+                   device=device, need_backward=need_backward, progress=progress)
+    model.config.dtype = dtype
     return model.eval()

@@ -4,18 +4,24 @@ Only headers are read up front: every tensor a model needs is checked for presen
 a byte of weights is loaded, so a broken checkpoint fails with the tensor name and file, leaving nothing
 half-built. Tensor bytes are then read with plain positional reads straight into their destination (no
 memory map), so pages of a file already streamed into the backend do not stay resident in this process.
+
+``SafetensorsWeights`` gives a checkpoint's tensors under the model's names (after the architecture's
+renames) and each layer's experts, per-expert keys or transformers 5's fused ones, as ``load_model`` asks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..errors import CheckpointError
+from ..experts import ExpertWeights
+from ..model.wrap import canonical_weights
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -141,6 +147,91 @@ class SafetensorsCheckpoint:
         if tensor.dtype in FP8_DTYPES and scale_name in self._entries:
             tensor = dequantize_fp8_blocks(tensor, self._read_raw(scale_name), self.fp8_block)
         return tensor
+
+
+# ---- under the model's names ------------------------------------------------------------------------
+
+PARTS = ("gate", "up", "down")
+
+
+def checkpoint_names(ckpt: SafetensorsCheckpoint, arch) -> dict:
+    """model tensor name -> checkpoint tensor name, after the architecture's renames."""
+    mapping = {}
+    for key in ckpt.keys():
+        name = key
+        for pattern, replacement in arch.checkpoint_renames:
+            name = re.sub(pattern, replacement, name)
+        mapping[name] = key
+    return mapping
+
+
+class SafetensorsExpertSource:
+    """Where one layer's experts are in the checkpoint, validated against the model's shapes."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, arch, layer: int, module):
+        self.ckpt, self.arch, self.layer = ckpt, arch, layer
+        if arch.dense_mlp:
+            self.num_experts = 1
+            inter, hidden = module.gate_proj.weight.shape
+        else:
+            self.num_experts, rows, cols = module.gate_up_proj.shape
+            transposed = getattr(module, "is_transposed", False)  # [E, H, 2I] instead of [E, 2I, H]
+            hidden, inter = (rows, cols // 2) if transposed else (cols, rows // 2)
+        self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # nn.Linear [out, in]
+        self.module = module
+        what = f" (routed experts of layer {layer})"
+        if self._key("gate", 0) in ckpt:
+            self.layout = "per_expert"
+            for expert in range(self.num_experts):
+                for part in PARTS:
+                    ckpt.expect(self._key(part, expert), self.shapes[part], what)
+        elif arch.fused_expert_keys and arch.fused_expert_keys["gate_up"].format(layer=layer) in ckpt:
+            self.layout = "fused"
+            ckpt.expect(self._fused("gate_up"), tuple(module.gate_up_proj.shape), what)
+            ckpt.expect(self._fused("down"), tuple(module.down_proj.shape), what)
+        else:
+            looked = [self._key("gate", 0)] + ([self._fused("gate_up")] if arch.fused_expert_keys else [])
+            raise CheckpointError(f"{ckpt.root}: no expert tensors for layer {layer} (looked for "
+                                  f"{' and '.join(map(repr, looked))})")
+
+    def _key(self, part: str, expert: int) -> str:
+        return self.arch.expert_keys[part].format(layer=self.layer, expert=expert)
+
+    def _fused(self, part: str) -> str:
+        return self.arch.fused_expert_keys[part].format(layer=self.layer)
+
+    def read(self, dtype) -> ExpertWeights:
+        if self.layout == "fused":
+            return canonical_weights(self.module, self.ckpt.get(self._fused("gate_up")).to(dtype),
+                                     self.ckpt.get(self._fused("down")).to(dtype))
+        out = {p: torch.empty((self.num_experts, *self.shapes[p]), dtype=dtype) for p in PARTS}
+        for expert in range(self.num_experts):
+            for part in PARTS:
+                out[part][expert].copy_(self.ckpt.get(self._key(part, expert)))
+        return ExpertWeights(out["gate"], out["up"], out["down"])
+
+
+class SafetensorsWeights:
+    """The tensors of a safetensors checkpoint under the model's names (after the architecture's renames)."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, arch):
+        self.ckpt, self.arch = ckpt, arch
+        self.names = checkpoint_names(ckpt, arch)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def describe(self, name: str) -> str:
+        return ""
+
+    def expect(self, name: str, shape: tuple) -> None:
+        self.ckpt.expect(self.names[name], shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(self.names[name])
+
+    def experts(self, layer: int, module) -> SafetensorsExpertSource:
+        return SafetensorsExpertSource(self.ckpt, self.arch, layer, module)
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
