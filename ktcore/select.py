@@ -75,5 +75,9 @@ def get_backend(name: str = "auto", config=None, *, need_backward: bool = False,
     if choice.spec is None:
         lines = [f"  {n}: {r}" for n, r in sorted(choice.reasons.items())]
         raise UnknownPluginError("no expert backend can run here:\n" + "\n".join(lines))
+    from dataclasses import replace
+
+    from .threads import backend_threads
+
     cls = import_object(choice.spec.factory)
-    return cls(kt)
+    return cls(replace(kt, kt_num_threads=backend_threads(kt.kt_num_threads)))

@@ -62,6 +62,10 @@ class ArchSpec:
     fused_expert_keys: dict = field(default_factory=dict)  # {"gate_up": ..., "down": ...}
     router: str = ""  # descriptive: where the router lives
     shared_experts: str = ""  # descriptive: where shared experts live, if any
+    # the shared-experts module the MoE block calls after the routed experts and before it reads their output
+    # (e.g. "model.layers.{layer}.mlp.shared_experts"): the CPU computes the routed experts while the device
+    # computes this module (ktcore.overlap); "" when there is none or it runs first
+    shared_experts_module: str = ""
     default_lora_targets: tuple[str, ...] = ()  # linear module names for lora_target: all
     expert_lora_parameters: tuple[str, ...] = ("gate_up_proj", "down_proj")
     # (regex, replacement) applied to checkpoint names to get the model's names (e.g. Mixtral's

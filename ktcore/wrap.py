@@ -17,10 +17,12 @@ from .config import KTConfig, as_kt_config
 from .dense import PROJECTIONS, OffloadedMLP, dense_weights
 from .experts import ActivationBudget, ExpertLayer, ExpertWeights
 from .lora import expert_lora_of
+from .overlap import install_overlap
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
 from .plugins import UnknownPluginError, get_registry
 from .specs import ArchSpec
+from .threads import apply_budget
 
 EXPERTS_IMPLEMENTATION = "ktcore"
 GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for layers placed on the GPU
@@ -208,6 +210,9 @@ def finish(model, kt, arch, backend, layers) -> None:
                 if hasattr(config, "_experts_implementation_internal"):
                     config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
     on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers)
+    pattern = experts_pattern(arch)
+    install_overlap(model, arch, layers, lambda name: int(pattern.search(name).group(1)))
+    apply_budget({id(layer.backend): layer.backend for layer in layers.values()}.values(), model.device)
     model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
 
 

@@ -7,6 +7,7 @@ _EXPERTS = "model.layers.{layer}.mlp.experts"
 _PER_EXPERT = {part: _EXPERTS + ".{expert}." + part + "_proj.weight" for part in ("gate", "up", "down")}
 _FUSED = {"gate_up": _EXPERTS + ".gate_up_proj", "down": _EXPERTS + ".down_proj"}
 # MLA: q_proj (V2-Lite) or q_a_proj/q_b_proj (V2, V3), kv_a_proj_with_mqa, kv_b_proj, o_proj
+_SHARED = "model.layers.{layer}.mlp.shared_experts"  # the MoE block calls it after the routed experts
 _ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
@@ -22,6 +23,7 @@ def ktcore_register_archs():
             fused_expert_keys=_FUSED,
             router="model.layers.{layer}.mlp.gate (softmax, greedy or group-limited top-k, routed_scaling_factor)",
             shared_experts="model.layers.{layer}.mlp.shared_experts (n_shared_experts x moe_intermediate_size)",
+            shared_experts_module=_SHARED,
             default_lora_targets=_ATTENTION,
             notes="layers below first_k_dense_replace are dense MLPs and stay on the GPU",
         ),
@@ -35,6 +37,7 @@ def ktcore_register_archs():
             router="model.layers.{layer}.mlp.gate (sigmoid scores + e_score_correction_bias, n_group/topk_group, "
                    "norm_topk_prob, routed_scaling_factor)",
             shared_experts="model.layers.{layer}.mlp.shared_experts",
+            shared_experts_module=_SHARED,
             default_lora_targets=_ATTENTION,
             notes="published checkpoints are FP8 with 128x128 weight_scale_inv blocks, dequantised while streaming",
         ),
