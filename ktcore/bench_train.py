@@ -233,12 +233,12 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
 def kernel_time(model, tokens: int, rank: int, seconds: float, dtype=torch.bfloat16) -> dict:
     """Forward + backward seconds of the model's CPU-backend expert layers at ``tokens`` tokens, called on the
     backend directly (random routing, random LoRA factors of rank r), summed over the layers; with and without
-    expert LoRA."""
+    expert LoRA (None for both when ``seconds`` is 0)."""
     from .bench import median_time
     from .experts import ExpertLoRA
 
     layers = model.ktcore.layers
-    if not layers:
+    if not layers or not seconds:
         return {"kernel_s": None, "kernel_no_lora_s": None}
     name, layer = next(iter(layers.items()))
     num, rows, hidden = model.get_submodule(name).gate_up_proj.shape
@@ -326,15 +326,13 @@ def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
     if settings.gradient_checkpointing:
         checkpoint_non_experts(base)
-    backend_names = sorted({layer.backend.name for layer in base.ktcore.layers.values()})
-    common = {"backend": ",".join(backend_names), "moe_layers": len(base.ktcore.layers),
-              "torch_threads": torch.get_num_threads(),
-              "backend_threads": max((getattr(layer.backend, "num_threads", 0) or 0
-                                      for layer in base.ktcore.layers.values()), default=0) or None}
+    backends = {layer.backend for layer in base.ktcore.layers.values()}
+    pools = [getattr(b, "num_threads", None) for b in backends]
+    common = {"backend": ",".join(sorted(b.name for b in backends)), "moe_layers": len(base.ktcore.layers),
+              "backend_threads": max((n for n in pools if n), default=None), "torch_threads": torch.get_num_threads()}
     variants = ([False] if settings.expert_lora_off else []) + [True]
     for tokens in settings.tokens:
-        kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds, settings.dtype) if settings.kernel_seconds \
-            else {"kernel_s": None, "kernel_no_lora_s": None}
+        kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds, settings.dtype)
         step_off = None
         for expert_lora in variants:
             run = "ktcore" if expert_lora else "ktcore, no expert LoRA"
@@ -348,9 +346,10 @@ def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
                     timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline)
                 step_s = timed["step_s"]
                 split = split_of(step_s, timed["spans"], device)
-                if expert_lora and step_off is not None:
+                if not expert_lora:
+                    step_off = step_s
+                elif step_off is not None:
                     split["expert_lora_s"] = step_s - step_off
-                step_off = step_s if not expert_lora else step_off
                 denominator = (kernels["kernel_s"] or 0) + split["gpu_busy_s"]
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, step_s=step_s,
                            tok_s=tokens / step_s, split=split, **kernels,

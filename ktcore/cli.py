@@ -254,18 +254,23 @@ def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, as
 @click.option("--workdir", default=None, type=click.Path(file_okay=False),
               help="where the scratch model is written (default: the system's temp directory)")
 @click.option("--keep", is_flag=True, help="keep the scratch model (its path is printed)")
+@click.option("--cpu", "on_cpu", is_flag=True, help="run on the CPU at the tiny shape even when there is a GPU")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
-                expert_lora_off, baseline, kernel_seconds, model_dir, workdir, keep, as_json):
+                expert_lora_off, baseline, kernel_seconds, model_dir, workdir, keep, on_cpu, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
+
+    import torch
 
     from .bench_train import SHAPES, Settings, environment, format_header, format_row, run
 
     settings = Settings(SHAPES[shape], layers, (), backend=backend, threads=threads, rank=lora_rank,
                         warmup=warmup, steps=steps, gradient_checkpointing=gradient_checkpointing,
                         expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds)
+    if on_cpu:
+        settings.device = torch.device("cpu")
     default_tokens = "64,256" if settings.tiny else "2048,8192"
     try:
         settings.tokens = tuple(int(t) for t in (tokens or default_tokens).split(","))

@@ -16,7 +16,7 @@ SPLIT = ("gpu_busy_s", "cpu_experts_s", "expert_lora_s", "copies_s", "lora_copie
 
 
 def bench(*args):
-    result = CliRunner().invoke(main, ["bench", "train", "--steps", "1", "--warmup", "1", *args, "--json"])
+    result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--steps", "1", "--warmup", "1", *args, "--json"])
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert "environment" in lines[0] and lines[0]["environment"]["cores"] >= 1
@@ -47,9 +47,9 @@ def test_every_run_reports_its_speed_split_memory_and_kernel_time(tmp_path):
 
 
 def test_kept_model_is_timed_again_with_attention_only_checkpointing(tmp_path):
-    result = CliRunner().invoke(main, ["bench", "train", "--shape", "qwen3-30b-a3b", "--tokens", "8", "--steps", "1",
-                                       "--warmup", "0", "--kernel-seconds", "0", "--no-expert-lora-off",
-                                       "--workdir", str(tmp_path), "--keep"])
+    result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--shape", "qwen3-30b-a3b", "--tokens", "8",
+                                       "--steps", "1", "--warmup", "0", "--kernel-seconds", "0",
+                                       "--no-expert-lora-off", "--workdir", str(tmp_path), "--keep"])
     assert result.exit_code == 0, result.output
     (scratch,) = tmp_path.iterdir()
     (row,) = bench("--model", str(scratch / "model"), "--tokens", "8", "--kernel-seconds", "0",

@@ -154,4 +154,5 @@ def test_a_training_step_does_not_synchronise_the_device_per_layer(tmp_path):
         tiny_model("deepseek_v2", num_hidden_layers=layers).save_pretrained(tmp_path / str(layers))
         counts[layers], ours = _synchronisations(tmp_path / str(layers))
         assert ours == [], ours
+    assert counts[3] >= 1  # the profiler sees synchronisations: the test's own torch.cuda.synchronize()
     assert counts[5] == counts[3], counts
