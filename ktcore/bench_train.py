@@ -232,7 +232,7 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
 
 def kernel_time(model, tokens: int, rank: int, seconds: float, dtype=torch.bfloat16) -> dict:
     """Forward + backward seconds of the model's CPU-backend expert layers at ``tokens`` tokens, called on the
-    backend directly (random routing, random LoRA factors of rank r), summed over the layers; with and without
+    backend alone (random routing, random LoRA factors of rank r), summed over the layers; with and without
     expert LoRA (None for both when ``seconds`` is 0)."""
     from .bench import median_time
     from .experts import ExpertLoRA
@@ -252,9 +252,9 @@ def kernel_time(model, tokens: int, rank: int, seconds: float, dtype=torch.bfloa
     grad_y = torch.randn(tokens, hidden, generator=g).to(dtype)
     backend, packed = layer.backend, layer.packed
 
-    def step(lora):
-        _, ctx = backend.forward(packed, x, ids, w, lora, save=True)
-        backend.backward(packed, ctx, grad_y, lora)
+    def step(lora):  # through submit/wait, from another thread than the main one, as in training
+        _, ctx = backend.wait(backend.submit_forward(packed, x, ids, w, lora, True))
+        backend.wait(backend.submit_backward(packed, ctx, grad_y, lora))
 
     with_lora = median_time(lambda: step(ExpertLoRA(*factors, gate_up_scale=2.0, down_scale=2.0)), seconds)
     without = median_time(lambda: step(None), seconds)
