@@ -136,7 +136,9 @@ def write_random_model(config, out, seed: int = 0) -> Path:
         del tensors
     index = {"metadata": {"total_size": sum(f.stat().st_size for f in out.glob("*.safetensors"))},
              "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    staging = out / "model.safetensors.index.json.tmp"
+    staging.write_text(json.dumps(index, indent=2))
+    staging.rename(out / "model.safetensors.index.json")  # last: a build cut short leaves no loadable model
     return out
 
 

@@ -17,6 +17,7 @@ and runs the backend on a worker thread, so the device can compute the shared ex
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -24,7 +25,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-from .staging import CudaStaging, now, stager, staging_for
+from .staging import CudaStaging, stager, staging_for
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
@@ -221,7 +222,7 @@ class ExpertLayer:
         lora = lora if lora is not None and not lora.empty else None
         lora_tensors = lora.tensors() if lora else (None,) * 4
         scales = (lora.gate_up_scale, lora.down_scale) if lora else (1.0, 1.0)
-        job = ExpertJob(self, scales)
+        job = ExpertJob(self, scales, x, topk_weights, lora_tensors)
         deferred = self.overlap is not None and self.overlap.defers(x)
         y = ExpertsFunction.apply(job, deferred, x, topk_ids, topk_weights, *lora_tensors)
         if deferred:
@@ -237,23 +238,28 @@ class ExpertJob:
     (the shared experts) runs at the same time as the CPU.
     """
 
-    def __init__(self, layer: ExpertLayer, scales):
+    def __init__(self, layer: ExpertLayer, scales, x, topk_weights, lora_dev):
         self.layer = layer
         self.scales = scales
+        self.staging = staging_for(x.device)
+        self.timeline = layer.timeline
+        # (shape, dtype) of what backward returns gradients for
+        self.x_meta = (tuple(x.shape), x.dtype)
+        self.w_meta = (tuple(topk_weights.shape), topk_weights.dtype)
+        self.lora_meta = [None if t is None else (tuple(t.shape), t.dtype) for t in lora_dev]
         self.future = None
+        self.mark = None  # see CudaStaging.alloc_mark
+        self.needs_grad = False
+        self.lora = None  # the expert LoRA as the backend got it (host tensors)
         self.slot = None  # the backend's saved activations, for backward
         self.inputs = None  # (x, ids, w) on the host, when backward recomputes the activations
         self.backward_submitted = False
+        self.grad_targets = None
 
     # -- forward -----------------------------------------------------------------------------------------------
     def submit_forward(self, x, topk_ids, topk_weights, lora_dev, needs_grad: bool, deferred: bool):
         """Start the forward; returns the device tensor the result will be written to (None: a new one)."""
         layer = self.layer
-        self.staging = staging_for(x.device)
-        self.timeline = layer.timeline
-        self.x_meta = (tuple(x.shape), x.dtype)
-        self.w_meta = (tuple(topk_weights.shape), topk_weights.dtype)
-        self.lora_meta = [None if t is None else (tuple(t.shape), t.dtype) for t in lora_dev]
         inputs = self.staging.to_host([x, topk_ids, topk_weights], self.timeline)
         lora = None
         if any(t is not None for t in lora_dev):
@@ -265,8 +271,6 @@ class ExpertJob:
         if deferred or isinstance(self.staging, CudaStaging):
             target = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             self.mark = self.staging.alloc_mark()
-        else:
-            self.mark = None
         self.future = stager().submit(self._run_forward, inputs, lora, save)
         return target
 
@@ -281,9 +285,9 @@ class ExpertJob:
         try:
             x, ids, w = inputs.wait()
             self.lora = self._host_lora(lora)
-            start = now()
+            start = time.perf_counter()
             y, saved = backend.wait(backend.submit_forward(layer.packed, x, ids, w, self.lora, save))
-            pinning = now()
+            pinning = time.perf_counter()
             y = self.staging.pin(y, self.x_meta[1])
         except BaseException:
             if save:
@@ -291,7 +295,7 @@ class ExpertJob:
             raise
         if self.timeline:
             self.timeline.cpu_span("experts", pinning - start)
-            self.timeline.cpu_span("pin", now() - pinning)
+            self.timeline.cpu_span("pin", time.perf_counter() - pinning)
         if save:
             self.slot = _Slot(saved, layer.budget)
         elif self.needs_grad:
@@ -305,18 +309,17 @@ class ExpertJob:
         return out
 
     def _result(self):
-        start = now()
+        start = time.perf_counter()
         try:
             return self.future.result()
         finally:
             if self.timeline:
-                self.timeline.host_waited(now() - start)
+                self.timeline.host_waited(time.perf_counter() - start)
 
     # -- backward ----------------------------------------------------------------------------------------------
     def submit_backward(self, grad_y: torch.Tensor) -> None:
         self.backward_submitted = True
         staged = self.staging.to_host([grad_y.contiguous()], self.timeline)
-        self.grad_targets = None
         if isinstance(self.staging, CudaStaging):
             device = grad_y.device
             metas = [self.x_meta, self.w_meta, *self.lora_meta]
@@ -328,7 +331,7 @@ class ExpertJob:
     def _run_backward(self, staged):
         layer, backend = self.layer, self.layer.backend
         (grad_y,) = staged.wait()
-        start = now()
+        start = time.perf_counter()
         if self.slot is not None:
             saved = self.slot.take()
         else:  # recompute the activations from the saved inputs
@@ -336,14 +339,14 @@ class ExpertJob:
             _, saved = backend.wait(backend.submit_forward(layer.packed, x, ids, w, self.lora, True))
         grad_x, grad_w, lora_grads = backend.wait(backend.submit_backward(layer.packed, saved, grad_y, self.lora))
         del saved
-        pinning = now()
+        pinning = time.perf_counter()
         pin = self.staging.pin
         grads = [pin(grad_x, self.x_meta[1]), pin(grad_w, self.w_meta[1])]
         grads += [None if g is None or m is None else pin(g, m[1]) for g, m in zip(lora_grads.tensors(),
                                                                                  self.lora_meta)]
         if self.timeline:
             self.timeline.cpu_span("experts", pinning - start)
-            self.timeline.cpu_span("pin", now() - pinning)
+            self.timeline.cpu_span("pin", time.perf_counter() - pinning)
         return grads
 
     def finish_backward(self) -> list:

@@ -15,7 +15,6 @@ from or to pinned memory), so after the first step no pinned memory is allocated
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
@@ -157,7 +156,3 @@ def stager() -> ThreadPoolExecutor:
         if _stager is None:
             _stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktcore-stage")
         return _stager
-
-
-def now() -> float:
-    return time.perf_counter()

@@ -212,7 +212,7 @@ def finish(model, kt, arch, backend, layers) -> None:
     on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers)
     pattern = experts_pattern(arch)
     install_overlap(model, arch, layers, lambda name: int(pattern.search(name).group(1)))
-    apply_budget({id(layer.backend): layer.backend for layer in layers.values()}.values(), model.device)
+    apply_budget([layer.backend for layer in layers.values()], model.device)
     model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
 
 
