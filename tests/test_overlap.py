@@ -18,8 +18,8 @@ from ktcore.timeline import attach
 SHARED_FAMILIES = ["deepseek_v2", "deepseek_v3"]  # the families whose MoE block runs shared experts last
 
 
-def lora_model(family, backend="torch"):
-    model = ktcore.wrap_model(tiny_model(family), {"kt_backend": backend})
+def lora_model(family, backend="torch", cpu_activation="retain"):
+    model = ktcore.wrap_model(tiny_model(family), {"kt_backend": backend, "kt_cpu_activation": cpu_activation})
     torch.manual_seed(7)
     config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                         target_modules=["q_proj", "q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
@@ -36,13 +36,14 @@ def step(peft_model, ids):
                                          if p.requires_grad}
 
 
-@pytest.mark.parametrize("backend", ["torch", "llamafile", "amx_bf16"])
+@pytest.mark.parametrize("backend,cpu_activation", [("torch", "retain"), ("torch", "recompute"),
+                                                    ("llamafile", "retain"), ("amx_bf16", "retain")])
 @pytest.mark.parametrize("family", SHARED_FAMILIES)
-def test_deferred_experts_give_the_same_bits_as_waiting_at_once(family, backend):
+def test_deferred_experts_give_the_same_bits_as_waiting_at_once(family, backend, cpu_activation):
     why = backend_unusable(backend)
     if why:
         pytest.skip(f"{backend} cannot run here: {why}")
-    model, peft_model = lora_model(family, backend)
+    model, peft_model = lora_model(family, backend, cpu_activation)
     assert all(layer.overlap is not None for layer in model.ktcore.layers.values())
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
     set_overlap(model, False)
