@@ -413,6 +413,13 @@ def run_transformers(settings: Settings, model_dir: Path, offload: bool) -> Iter
         del skeleton
     else:
         device_map = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
+        if device.type == "cuda":
+            weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+            free = torch.cuda.mem_get_info(device)[0]
+            if weights > free:
+                yield _row(settings, run, settings.tokens[0], error=f"does not fit: {weights / GIB:.1f} GiB of "
+                                                                    f"weights, {free / GIB:.1f} GiB free on the GPU")
+                return
     for expert_lora in (True, False):
         model = None
         try:

@@ -275,7 +275,9 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
     try:
         settings.tokens = tuple(int(t) for t in (tokens or default_tokens).split(","))
     except ValueError:
-        raise click.BadParameter(f"{tokens!r} is not a comma list of token counts, e.g. 2048,8192",
+        settings.tokens = ()
+    if not settings.tokens or min(settings.tokens) < 1:
+        raise click.BadParameter(f"{tokens!r} is not a comma list of positive token counts, e.g. 2048,8192",
                                  param_hint="--tokens")
     if workdir:
         Path(workdir).mkdir(parents=True, exist_ok=True)

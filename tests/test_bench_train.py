@@ -82,3 +82,10 @@ def test_random_model_has_save_pretrained_names_and_loads_in_both(tmp_path, shap
     expected, got = plain(ids).logits, kt(ids).logits
     # transformers would initialise experts it did not find, and ktcore refuses a checkpoint without them
     assert (got - expected).norm() <= 1e-5 * expected.norm()  # measured 3e-8 to 1.3e-7 (fp32)
+
+
+def test_bad_tokens_are_one_line_and_exit_2_and_every_shape_is_offered():
+    result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--tokens", "2048,0"])
+    assert result.exit_code == 2 and "positive token counts" in result.output
+    shape_option = next(o for o in main.commands["bench"].commands["train"].params if o.name == "shape")
+    assert sorted(shape_option.type.choices) == sorted(SHAPES)
