@@ -70,6 +70,10 @@ class ArchSpec:
     expert_keys: dict = field(default_factory=dict)  # {"gate": ..., "up": ..., "down": ...}
     # fused keys (transformers 5 in-memory layout, also found on disk)
     fused_expert_keys: dict = field(default_factory=dict)  # {"gate_up": ..., "down": ...}
+    # the shared-experts module the MoE block calls after the routed experts and before it reads their output
+    # (e.g. "model.layers.{layer}.mlp.shared_experts"): the CPU computes the routed experts while the device
+    # computes this module (ktcore.model.overlap); "" when there is none or it runs first
+    shared_experts_module: str = ""
     default_lora_targets: tuple[str, ...] = ()  # linear module names for lora_target: all
     expert_lora_parameters: tuple[str, ...] = ("gate_up_proj", "down_proj")
     # (regex, replacement) applied to checkpoint names to get the model's names (e.g. Mixtral's

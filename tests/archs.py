@@ -75,8 +75,11 @@ MOE_LAYERS = {"deepseek_v2": [1, 2], "deepseek_v3": [1, 2], "qwen2_moe": [0, 2],
               "mixtral": [0, 1], "llama": [0, 1]}
 
 
-def tiny_model(family: str, odd: bool = False, seed: int = 0):
+def tiny_model(family: str, odd: bool = False, seed: int = 0, **config):
+    """config: overrides of the family's tiny config (num_hidden_layers=...)."""
     cls, cfg = FAMILIES[family](odd)
+    for key, value in config.items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
     with torch.no_grad():

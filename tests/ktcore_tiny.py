@@ -32,3 +32,14 @@ def tiny_qwen3_moe(seed=0, **overrides):
             elif name.endswith("mlp.gate.weight"):  # decisive routing: bf16 rounding rarely flips an expert
                 p.normal_(0, 1.0)
     return model
+
+
+def backend_unusable(name):
+    """Why expert backend ``name`` cannot train here (None when it can): for skip reasons."""
+    from ktcore.plugins.select import resolve_backend
+
+    reasons = resolve_backend("auto", need_backward=True, need_lora=True).reasons
+    if name not in reasons:
+        return f"backend {name!r} is not installed"
+    why = reasons[name]
+    return None if why is None or why.startswith("usable") else why

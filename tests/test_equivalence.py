@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from ktcore_tiny import tiny_qwen3_moe
+from ktcore_tiny import backend_unusable, tiny_qwen3_moe
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import ktcore
@@ -164,21 +164,36 @@ def test_placeholders_refuse_to_be_read(qwen3_pair):
         ktcore.wrap_model(ours, TORCH)
 
 
+def tiny_model_of(family):
+    from archs import tiny_model
+
+    return tiny_qwen3_moe(seed=6) if family == "qwen3_moe" else tiny_model(family, seed=6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
-def test_gpu_attention_cpu_experts_bf16(tmp_path):
-    """Attention, router and LM head on CUDA, routed experts on the CPU torch backend, in bf16.
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("backend", ["torch", "amx_bf16", "llamafile"])
+def test_gpu_attention_cpu_experts_bf16(tmp_path, backend, family):
+    """Attention, router, shared experts and LM head on CUDA, routed experts on a CPU backend, in bf16, with the
+    copies on the side stream and (DeepSeek: shared experts after the routed ones) the backend running while
+    the GPU computes the shared experts.
 
     bf16 tolerance: ktcore in bf16 must be about as close to the fp32 truth as plain transformers in bf16.
     """
-    plain = tiny_qwen3_moe(seed=6)
+    why = backend_unusable(backend)
+    if why:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    plain = tiny_model_of(family)
     plain.save_pretrained(tmp_path / "model")
     truth = copy.deepcopy(plain).to("cuda")
     plain_bf16 = copy.deepcopy(plain).to("cuda", torch.bfloat16)
-    ours = ktcore.load_model(tmp_path / "model", {"kt_backend": "torch"}, device="cuda", dtype=torch.bfloat16,
+    ours = ktcore.load_model(tmp_path / "model", {"kt_backend": backend}, device="cuda", dtype=torch.bfloat16,
                              progress=False)
     assert ours.lm_head.weight.device.type == "cuda"
-    assert ours.model.layers[0].mlp.experts.gate_up_proj.device.type == "cuda"  # placeholder only
+    experts = next(iter(ours.ktcore.layers))
+    assert ours.get_submodule(experts).gate_up_proj.device.type == "cuda"  # placeholder only
+    assert all((layer.overlap is not None) == (family == "deepseek_v2") for layer in ours.ktcore.layers.values())
     truth, plain_bf16 = peft_pair(truth, plain_bf16)
     torch.manual_seed(7)
     ours = get_peft_model(ours, lora_config())
@@ -186,6 +201,7 @@ def test_gpu_attention_cpu_experts_bf16(tmp_path):
     results = {name: lora_grads(m, ids, mask) for name, m in
                (("truth", truth), ("plain_bf16", plain_bf16), ("ours", ours))}
     ref_out, ref_grads = results["truth"]
+    assert sum("experts" in n for n in ref_grads) == 2 * 2 * 2  # expert LoRA gradients are compared too
 
     def err(name):
         out, grads = results[name]
@@ -197,21 +213,11 @@ def test_gpu_attention_cpu_experts_bf16(tmp_path):
     assert our_grads <= max(2 * plain_grads, 5e-2), (our_grads, plain_grads)
 
 
-def _usable(name):
-    from ktcore.plugins.select import resolve_backend
-
-    reasons = resolve_backend("auto", need_backward=True, need_lora=True).reasons
-    if name not in reasons:
-        return f"backend {name!r} is not installed"
-    why = reasons[name]
-    return None if why is None or why.startswith("usable") else why
-
-
 @pytest.mark.parametrize("backend", ["torch", "amx_bf16"])
 def test_bf16_backend_is_as_close_as_transformers_bf16(backend):
     """The equivalence test at bf16 tolerance (for amx_bf16: the core issue's test with kt_backend amx_bf16):
     ktcore in bf16 must be about as close to the fp32 truth as plain transformers in bf16 is."""
-    why = _usable(backend)
+    why = backend_unusable(backend)
     if why:
         pytest.skip(f"{backend} cannot run here: {why}")
     plain = tiny_qwen3_moe(seed=12)

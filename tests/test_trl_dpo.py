@@ -205,7 +205,9 @@ def _counting_model(model_dir, how: str):
     """A ktcore model + expert LoRA, with checkpointing ``how`` (none, ktcore, transformers); counts expert calls."""
     from peft import get_peft_model
 
-    from ktcore_trl.train import checkpoint_non_experts, lora_config
+    from ktcore_trl.train import lora_config
+
+    from ktcore.model.checkpointing import checkpoint_non_experts
 
     cfg = config_from_dict({**KT, "lora_target": "all", "kt_cpu_activation": "retain"}, quiet=True)
     base = _fresh_base(model_dir)

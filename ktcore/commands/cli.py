@@ -236,6 +236,66 @@ def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, as
     click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
 
 
+@bench.command("train")
+@click.option("--shape", default="deepseek-v2-lite", show_default=True,
+              type=click.Choice(["deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b"]), help="the model's shape")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="decoder layers (default: the model's own; 3 or 2 at the tiny CPU shape)")
+@click.option("--tokens", default=None, help="comma list of tokens per step [default: 2048,8192; 64,256 on the CPU]")
+@click.option("--backend", default="auto", show_default=True, help="expert backend (kt_backend)")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="backend threads (kt_num_threads)")
+@click.option("--lora-rank", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--steps", default=3, show_default=True, type=click.IntRange(min=1), help="timed steps per run")
+@click.option("--warmup", default=2, show_default=True, type=click.IntRange(min=0), help="untimed steps first")
+@click.option("--gradient-checkpointing", is_flag=True, help="attention-only checkpointing, as ktcore train does")
+@click.option("--expert-lora-off/--no-expert-lora-off", default=True, show_default=True,
+              help="also time each step with LoRA on the attention and dense linears only")
+@click.option("--baseline", is_flag=True,
+              help="also transformers + PEFT with the whole model on the GPU, and transformers + accelerate with "
+                   "the routed experts offloaded to host memory")
+@click.option("--kernel-seconds", default=1.0, show_default=True,
+              help="time budget of each kernel-only measurement (0: skip it)")
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False, exists=True),
+              help="time this model directory instead of building one")
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="where the scratch model is written (default: the system's temp directory)")
+@click.option("--keep", is_flag=True, help="keep the scratch model (its path is printed)")
+@click.option("--cpu", "on_cpu", is_flag=True, help="run on the CPU at the tiny shape even when there is a GPU")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
+def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
+                expert_lora_off, baseline, kernel_seconds, model_dir, workdir, keep, on_cpu, as_json):
+    """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
+    step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
+    from pathlib import Path
+
+    import torch
+
+    from .bench_train import SHAPES, Settings, environment, format_header, format_row, run
+
+    settings = Settings(SHAPES[shape], layers, (), backend=backend, threads=threads, rank=lora_rank,
+                        warmup=warmup, steps=steps, gradient_checkpointing=gradient_checkpointing,
+                        expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds)
+    if on_cpu:
+        settings.device = torch.device("cpu")
+    default_tokens = "64,256" if settings.tiny else "2048,8192"
+    try:
+        settings.tokens = tuple(int(t) for t in (tokens or default_tokens).split(","))
+    except ValueError:
+        settings.tokens = ()
+    if not settings.tokens or min(settings.tokens) < 1:
+        raise click.BadParameter(f"{tokens!r} is not a comma list of positive token counts, e.g. 2048,8192",
+                                 param_hint="--tokens")
+    if workdir:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+    if as_json:
+        click.echo(json.dumps({"environment": environment()}))
+    else:
+        click.echo(format_header(settings))
+    for row in run(settings, Path(model_dir) if model_dir else None, workdir, keep):
+        click.echo(json.dumps(row) if as_json else format_row(row))
+        sys.stdout.flush()  # each run as it finishes, also into a pipe (a run cut short keeps what it measured)
+
+
 @main.command()
 @click.option("--workdir", default="runs/demo", show_default=True, type=click.Path(file_okay=False),
               help="where the demo model, data and adapter are written")

@@ -8,19 +8,24 @@ Ids outside ``[0, E)`` mean "no expert" and contribute nothing. Expert LoRA uses
 ``target_parameters`` layout: ``gate_up`` has a shared ``A [E, r, H]`` and ``B [E, 2I, r]`` (gate rows first),
 ``down`` has ``A [E, r, I]`` and ``B [E, H, r]``; the delta of expert e is ``scale * B[e] @ A[e]``.
 
-Backends receive CPU tensors and return CPU tensors. ``ExpertsFunction`` moves data between the model's
-device and the CPU and plugs the backend into autograd.
+Backends receive CPU tensors and return CPU tensors. ``ExpertsFunction`` plugs the backend into autograd;
+each call is an ``ExpertJob`` that stages tensors between the model's device and the CPU
+(``ktcore.experts.staging``) and runs the backend on a worker thread, so the device can compute the shared
+experts meanwhile (``ktcore.model.overlap``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
+
+from .staging import CudaStaging, stager, staging_for
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
@@ -201,7 +206,12 @@ class _Slot:
 
 
 class ExpertLayer:
-    """One MoE layer's packed experts and the backend computing them. Packed weights are shared, never copied."""
+    """One MoE layer's packed experts and the backend computing them. Packed weights are shared, never copied.
+
+    ``overlap`` (set by ``ktcore.model.overlap``) lets the call return before the backend is done, so the device
+    computes the block's shared experts meanwhile; ``timeline`` (set by ``ktcore.experts.timeline.attach``)
+    records where the time goes.
+    """
 
     def __init__(self, backend, packed, budget: ActivationBudget, cpu_activation: str, name: str = ""):
         self.backend = backend
@@ -209,6 +219,8 @@ class ExpertLayer:
         self.budget = budget
         self.recompute = cpu_activation == "recompute"
         self.name = name
+        self.overlap = None
+        self.timeline = None
 
     def __deepcopy__(self, memo):
         return self  # immutable weights: a deep-copied model shares them
@@ -218,60 +230,187 @@ class ExpertLayer:
         lora = lora if lora is not None and not lora.empty else None
         lora_tensors = lora.tensors() if lora else (None,) * 4
         scales = (lora.gate_up_scale, lora.down_scale) if lora else (1.0, 1.0)
-        return ExpertsFunction.apply(self, scales, x, topk_ids, topk_weights, *lora_tensors)
+        job = ExpertJob(self, scales, x, topk_weights, lora_tensors)
+        deferred = self.overlap is not None and self.overlap.defers(x)
+        y = ExpertsFunction.apply(job, deferred, x, topk_ids, topk_weights, *lora_tensors)
+        if deferred:
+            self.overlap.hold(job, y)  # made valid (ExpertsResult) once the shared experts are enqueued
+        return y
 
 
-def _cpu(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.detach().to("cpu")
+class ExpertJob:
+    """One call of a layer's routed experts: inputs staged to the host, the backend's forward and backward run
+    on the stager thread, results brought back to the model's device (``ktcore.experts.staging``).
 
+    ``submit_*`` return at once; ``finish_*`` wait for the backend. Between the two the caller's device work
+    (the shared experts) runs at the same time as the CPU.
+    """
 
-class ExpertsFunction(torch.autograd.Function):
-    """Autograd node for the routed experts of one layer, computed by a CPU backend."""
+    def __init__(self, layer: ExpertLayer, scales, x, topk_weights, lora_dev):
+        self.layer = layer
+        self.scales = scales
+        self.staging = staging_for(x.device)
+        self.timeline = layer.timeline
+        # (shape, dtype) of what backward returns gradients for
+        self.x_meta = (tuple(x.shape), x.dtype)
+        self.w_meta = (tuple(topk_weights.shape), topk_weights.dtype)
+        self.lora_meta = [None if t is None else (tuple(t.shape), t.dtype) for t in lora_dev]
+        self.future = None
+        self.mark = None  # see CudaStaging.alloc_mark
+        self.needs_grad = False
+        self.lora = None  # the expert LoRA as the backend got it (host tensors)
+        self.slot = None  # the backend's saved activations, for backward
+        self.inputs = None  # (x, ids, w) on the host, when backward recomputes the activations
+        self.backward_submitted = False
+        self.grad_targets = None
 
-    @staticmethod
-    def forward(ctx, layer: ExpertLayer, scales, x, topk_ids, topk_weights, gu_a, gu_b, d_a, d_b):
-        lora_dev = (gu_a, gu_b, d_a, d_b)
+    # -- forward -----------------------------------------------------------------------------------------------
+    def submit_forward(self, x, topk_ids, topk_weights, lora_dev, needs_grad: bool, deferred: bool):
+        """Start the forward; returns the device tensor the result will be written to (None: a new one)."""
+        layer = self.layer
+        inputs = self.staging.to_host([x, topk_ids, topk_weights], self.timeline)
         lora = None
         if any(t is not None for t in lora_dev):
-            lora = ExpertLoRA(*(_cpu(t) for t in lora_dev), gate_up_scale=scales[0], down_scale=scales[1])
-        x_cpu, ids_cpu, w_cpu = _cpu(x), _cpu(topk_ids), _cpu(topk_weights)
-        needs_grad = any(ctx.needs_input_grad)
+            staged_lora = self.staging.to_host(lora_dev, self.timeline, "lora_copy")
+            lora = (staged_lora, self.scales)
+        self.needs_grad = needs_grad
         save = needs_grad and not layer.recompute and layer.budget.acquire()
-        backend = layer.backend
+        target = None
+        if deferred or isinstance(self.staging, CudaStaging):
+            target = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            self.mark = self.staging.alloc_mark()
+        self.future = stager().submit(self._run_forward, inputs, lora, save)
+        return target
+
+    def _host_lora(self, lora) -> Optional[ExpertLoRA]:
+        if lora is None:
+            return None
+        staged, (gu_scale, d_scale) = lora
+        return ExpertLoRA(*staged.wait(), gate_up_scale=gu_scale, down_scale=d_scale)
+
+    def _run_forward(self, inputs, lora, save: bool):
+        layer, backend = self.layer, self.layer.backend
         try:
-            y, saved = backend.wait(backend.submit_forward(layer.packed, x_cpu, ids_cpu, w_cpu, lora, save))
+            x, ids, w = inputs.wait()
+            self.lora = self._host_lora(lora)
+            start = time.perf_counter()
+            y, saved = backend.wait(backend.submit_forward(layer.packed, x, ids, w, self.lora, save))
+            pinning = time.perf_counter()
+            y = self.staging.pin(y, self.x_meta[1])
         except BaseException:
             if save:
                 layer.budget.release()
             raise
+        if self.timeline:
+            self.timeline.cpu_span("experts", pinning - start)
+            self.timeline.cpu_span("pin", time.perf_counter() - pinning)
+        if save:
+            self.slot = _Slot(saved, layer.budget)
+        elif self.needs_grad:
+            self.inputs = (x, ids, w)
+        return y
+
+    def finish_forward(self, target: Optional[torch.Tensor]) -> torch.Tensor:
+        """Wait for the forward and put its result into target (or a new tensor on the model's device)."""
+        y = self._result()
+        (out,) = self.staging.to_device([y], [target], self.mark, self.timeline)
+        return out
+
+    def _result(self):
+        start = time.perf_counter()
+        try:
+            return self.future.result()
+        finally:
+            if self.timeline:
+                self.timeline.host_waited(time.perf_counter() - start)
+
+    # -- backward ----------------------------------------------------------------------------------------------
+    def submit_backward(self, grad_y: torch.Tensor) -> None:
+        self.backward_submitted = True
+        staged = self.staging.to_host([grad_y.contiguous()], self.timeline)
+        if isinstance(self.staging, CudaStaging):
+            device = grad_y.device
+            metas = [self.x_meta, self.w_meta, *self.lora_meta]
+            self.grad_targets = [None if m is None else torch.empty(m[0], dtype=m[1], device=device)
+                                 for m in metas]
+            self.mark = self.staging.alloc_mark()
+        self.future = stager().submit(self._run_backward, staged)
+
+    def _run_backward(self, staged):
+        layer, backend = self.layer, self.layer.backend
+        (grad_y,) = staged.wait()
+        start = time.perf_counter()
+        if self.slot is not None:
+            saved = self.slot.take()
+        else:  # recompute the activations from the saved inputs
+            x, ids, w = self.inputs
+            _, saved = backend.wait(backend.submit_forward(layer.packed, x, ids, w, self.lora, True))
+        grad_x, grad_w, lora_grads = backend.wait(backend.submit_backward(layer.packed, saved, grad_y, self.lora))
+        del saved
+        pinning = time.perf_counter()
+        pin = self.staging.pin
+        grads = [pin(grad_x, self.x_meta[1]), pin(grad_w, self.w_meta[1])]
+        grads += [None if g is None or m is None else pin(g, m[1]) for g, m in zip(lora_grads.tensors(),
+                                                                                 self.lora_meta)]
+        if self.timeline:
+            self.timeline.cpu_span("experts", pinning - start)
+            self.timeline.cpu_span("pin", time.perf_counter() - pinning)
+        return grads
+
+    def finish_backward(self) -> list:
+        """Wait for the backward: [grad_x, grad_topk_weights, *expert-LoRA grads] on the model's device."""
+        grads = self._result()
+        targets = self.grad_targets or [None] * len(grads)
+        out = self.staging.to_device(grads[:2], targets[:2], self.mark, self.timeline)
+        if any(g is not None for g in grads[2:]):
+            out += self.staging.to_device(grads[2:], targets[2:], self.mark, self.timeline, "lora_copy")
+        else:
+            out += [None] * len(grads[2:])
+        return out
+
+
+class ExpertsFunction(torch.autograd.Function):
+    """Autograd node for the routed experts of one layer, computed by a CPU backend.
+
+    Deferred (``ExpertLayer.overlap``): forward returns a tensor the backend has not filled yet; ``ExpertsResult``
+    fills it in place before anything reads it.
+    """
+
+    @staticmethod
+    def forward(ctx, job: ExpertJob, deferred: bool, x, topk_ids, topk_weights, gu_a, gu_b, d_a, d_b):
+        needs_grad = any(ctx.needs_input_grad)
+        y = job.submit_forward(x, topk_ids, topk_weights, (gu_a, gu_b, d_a, d_b), needs_grad, deferred)
+        if not deferred:
+            y = job.finish_forward(y)
         if needs_grad:
-            ctx.layer, ctx.lora, ctx.devices = layer, lora, (x.device, topk_weights.device,
-                                                              [None if t is None else t.device for t in lora_dev])
-            ctx.dtypes = (x.dtype, topk_weights.dtype, [None if t is None else t.dtype for t in lora_dev])
-            if save:
-                ctx.slot = _Slot(saved, layer.budget)
-                ctx.inputs = None
-            else:
-                ctx.slot = None
-                ctx.inputs = (x_cpu, ids_cpu, w_cpu)
-        return y.to(device=x.device, dtype=x.dtype)
+            ctx.job = job
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        layer = ctx.layer
-        backend = layer.backend
-        if ctx.slot is not None:
-            saved = ctx.slot.take()
-        else:  # recompute the activations from the saved inputs
-            x_cpu, ids_cpu, w_cpu = ctx.inputs
-            _, saved = backend.wait(backend.submit_forward(layer.packed, x_cpu, ids_cpu, w_cpu, ctx.lora, True))
-        grad_x, grad_w, lora_grads = backend.wait(
-            backend.submit_backward(layer.packed, saved, _cpu(grad_y.contiguous()), ctx.lora))
-        del saved
-        x_dev, w_dev, lora_devs = ctx.devices
-        x_dt, w_dt, lora_dts = ctx.dtypes
-        grads_lora = []
-        for g, dev, dt in zip(lora_grads.tensors(), lora_devs, lora_dts):
-            grads_lora.append(None if g is None or dev is None else g.to(device=dev, dtype=dt))
-        return (None, None, grad_x.to(device=x_dev, dtype=x_dt), None, grad_w.to(device=w_dev, dtype=w_dt),
-                *grads_lora)
+        job = ctx.job
+        if not job.backward_submitted:
+            job.submit_backward(grad_y)
+        grad_x, grad_w, *grads_lora = job.finish_backward()
+        return (None, None, grad_x, None, grad_w, *grads_lora)
+
+
+class ExpertsResult(torch.autograd.Function):
+    """Makes a deferred experts output valid, in place, at the point the model is about to read it.
+
+    Its autograd node is created after the shared experts' nodes, so backward reaches it before them: it
+    hands the output gradient to the backend there, and the CPU computes while the device runs the shared
+    experts' backward; ``ExpertsFunction.backward`` then only waits.
+    """
+
+    @staticmethod
+    def forward(ctx, job: ExpertJob, y):
+        job.finish_forward(y)
+        ctx.mark_dirty(y)
+        ctx.job = job
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.job.submit_backward(grad)
+        return None, grad

@@ -15,8 +15,10 @@ import torch
 
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins import UnknownPluginError, get_registry
+from ..plugins.threads import apply_budget
 from ..specs import ArchSpec
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
+from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
@@ -209,6 +211,9 @@ def finish(model, kt, arch, backend, layers) -> None:
                 if hasattr(config, "_experts_implementation_internal"):
                     config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
     on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers)
+    pattern = experts_pattern(arch)
+    install_overlap(model, arch, layers, lambda name: int(pattern.search(name).group(1)))
+    apply_budget([layer.backend for layer in layers.values()], model.device)
     model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..specs import ExpertBackendSpec, import_object
 from . import Registry, UnknownPluginError, get_registry
 from .hw import CpuInfo, cpu_info
+from .threads import backend_threads
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,6 @@ def get_backend(name: str, kt, *, need_backward: bool = False, need_lora: bool =
     if choice.spec is None:
         lines = [f"  {n}: {r}" for n, r in sorted(choice.reasons.items())]
         raise UnknownPluginError("no expert backend can run here:\n" + "\n".join(lines))
-    backend = import_object(choice.spec.factory)(kt)
+    backend = import_object(choice.spec.factory)(replace(kt, kt_num_threads=backend_threads(kt.kt_num_threads)))
     backend.name = choice.spec.name
     return backend

@@ -12,6 +12,7 @@ from ktcore.builtin.archs.hf_names import EXPERTS, FUSED_KEYS, GGUF_DENSE_MLP, P
 from ktcore.specs import ArchSpec
 
 # MLA: q_proj (V2-Lite) or q_a_proj/q_b_proj (V2, V3), kv_a_proj_with_mqa, kv_b_proj, o_proj
+_SHARED = "model.layers.{layer}.mlp.shared_experts"  # the MoE block calls it after the routed experts
 _ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 # V3's router bias, which llama.cpp's deepseek2 tables lack too
 _GGUF_ROUTER_BIAS = (r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias")
@@ -21,7 +22,7 @@ def _deepseek(name: str, hf_class: str) -> ArchSpec:
     return ArchSpec(name=name, hf_architectures=(hf_class,), model_types=(name,), experts_module=EXPERTS,
                     expert_keys=PER_EXPERT_KEYS, fused_expert_keys=FUSED_KEYS, default_lora_targets=_ATTENTION,
                     gguf_architecture="deepseek2", gguf_config="ktcore.builtin.archs.gguf_configs:deepseek",
-                    gguf_extra_names=(GGUF_DENSE_MLP, _GGUF_ROUTER_BIAS))
+                    gguf_extra_names=(GGUF_DENSE_MLP, _GGUF_ROUTER_BIAS), shared_experts_module=_SHARED)
 
 
 @hookimpl

@@ -22,7 +22,7 @@ layer's forward, routed experts included -- a second CPU expert forward per laye
 ``kt_cpu_activation: retain`` already kept what the experts' backward needs. (torch's early stop of a
 non-reentrant recompute hides this only where nothing after the experts saves a tensor, as in Qwen3-MoE;
 DeepSeek's shared experts run after them.) With ``use_kt`` the frontend
-therefore checkpoints only the attention blocks and dense MLPs (``checkpoint_non_experts``); the routed experts
+therefore checkpoints only the attention blocks and dense MLPs (``ktcore.model.checkpointing``); the routed experts
 run once forward and keep (retain) or recompute (recompute) their own activations, as configured.
 """
 
@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ktcore.model.checkpointing import checkpoint_non_experts
 from ktcore.config import ConfigError, TrainConfig
 from ktcore.frontends.skeleton import (StepRecorder, check_model_and_adapter, count_parameters, describe_parameters,
                                        run_summary, training_arguments)
@@ -150,43 +151,6 @@ def trainer_kwargs(cfg, args_cls) -> dict:
     warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else cfg.warmup_ratio  # a float < 1 is a ratio
     return dict(training_arguments(cfg), save_strategy="steps", save_total_limit=cfg.save_total_limit,
                 warmup_steps=warmup, remove_unused_columns=False, **_checkpointing_kwargs(cfg, args_cls))
-
-
-def checkpoint_non_experts(model) -> list[str]:
-    """Activation checkpointing for the attention blocks and dense MLPs of a ktcore model (before PEFT).
-
-    transformers' own gradient checkpointing re-runs whole decoder layers in backward, routed experts included,
-    which would compute every CPU expert forward twice. Here only modules without routed experts are wrapped
-    in ``torch.utils.checkpoint`` (non-reentrant); the experts keep following ``kt_cpu_activation``.
-    Returns the names of the wrapped modules.
-    """
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    info = getattr(model, "ktcore", None)
-    expert_names = set(info.layers) | set(info.on_gpu) if info is not None else set()
-
-    def holds_experts(name: str) -> bool:
-        return any(e == name or e.startswith(name + ".") for e in expert_names)
-
-    def wrap(module):
-        forward = module.forward
-
-        def checkpointed(*args, **kwargs):
-            if module.training and torch.is_grad_enabled():
-                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-            return forward(*args, **kwargs)
-
-        module.forward = checkpointed  # this instance only: names, state_dict and PEFT targets are unchanged
-
-    wrapped = []
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("self_attn", "mlp") and ".layers." in f".{name}" and not holds_experts(name):
-            wrap(module)
-            wrapped.append(name)
-    model.config.use_cache = False  # a KV cache updated inside a checkpointed block would be updated twice
-    return wrapped
 
 
 class KtTrainerMixin:

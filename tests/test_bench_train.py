@@ -1,0 +1,91 @@
+"""`ktcore bench train` on the CPU (no GPU here: a tiny shape of the family): the fields each run reports, the
+model it writes, and the scratch directory it cleans up. No timing assertions."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import ktcore
+from ktcore.commands.bench_train import SHAPES, make_config, write_random_model
+from ktcore.commands.cli import main
+
+SPLIT = ("gpu_busy_s", "cpu_experts_s", "expert_lora_s", "copies_s", "lora_copies_s", "cpu_idle_s", "gpu_idle_s")
+
+
+def bench(*args):
+    result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--steps", "1", "--warmup", "1", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert "environment" in lines[0] and lines[0]["environment"]["cores"] >= 1
+    return lines[1:]
+
+
+def test_every_run_reports_its_speed_split_memory_and_kernel_time(tmp_path):
+    rows = bench("--tokens", "16,24", "--kernel-seconds", "0.01", "--baseline", "--workdir", str(tmp_path))
+    runs = [(r["run"], r.get("tokens")) for r in rows]
+    assert runs == [("ktcore, no expert LoRA", 16), ("ktcore", 16), ("ktcore, no expert LoRA", 24), ("ktcore", 24),
+                    ("transformers + PEFT, whole model on cpu", 16), ("transformers + PEFT, whole model on cpu", 24),
+                    ("transformers + accelerate, routed experts offloaded to host memory", 16)]
+    for row in rows[:4]:
+        assert row["error"] is None and row["device"] == "cpu" and row["moe_layers"] == 2
+        assert row["shape"] == "deepseek-v2-lite (tiny)" and row["backend"]
+        assert row["tok_s"] > 0 and row["step_s"] > 0 and row["peak_host_gib"] > 0 and row["peak_gpu_gib"] is None
+        assert row["kernel_s"] > 0 and row["kernel_no_lora_s"] > 0 and row["overhead_ratio"] > 0
+        split = row["split"]
+        assert set(split) == set(SPLIT)
+        assert split["cpu_experts_s"] > 0 and split["gpu_busy_s"] > 0 and split["copies_s"] >= 0
+        assert split["cpu_idle_s"] == pytest.approx(row["step_s"] - split["cpu_experts_s"])
+        assert (split["expert_lora_s"] is None) == (not row["expert_lora"])
+    assert rows[1]["split"]["expert_lora_s"] == pytest.approx(rows[1]["step_s"] - rows[0]["step_s"])
+    for row in rows[4:6]:
+        assert row["error"] is None and row["tok_s"] > 0 and row["expert_lora"] is True
+    assert rows[6]["error"] == "needs a GPU"
+    assert list(tmp_path.iterdir()) == []  # the scratch model is gone
+
+
+def test_kept_model_is_timed_again_with_attention_only_checkpointing(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--shape", "qwen3-30b-a3b", "--tokens", "8",
+                                       "--steps", "1", "--warmup", "0", "--kernel-seconds", "0",
+                                       "--no-expert-lora-off", "--workdir", str(tmp_path), "--keep"])
+    assert result.exit_code == 0, result.output
+    (scratch,) = tmp_path.iterdir()
+    (row,) = bench("--model", str(scratch / "model"), "--tokens", "8", "--kernel-seconds", "0",
+                   "--no-expert-lora-off", "--gradient-checkpointing")
+    assert row["gradient_checkpointing"] is True and row["error"] is None and row["tok_s"] > 0
+    assert row["kernel_s"] is None and row["overhead_ratio"] is None
+    assert (scratch / "model").is_dir()  # --model: never deleted
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_random_model_has_save_pretrained_names_and_loads_in_both(tmp_path, shape):
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(SHAPES[shape], tiny=True)
+    ours = write_random_model(config, tmp_path / "ours")
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    reference.save_pretrained(tmp_path / "reference")
+
+    def tensors(directory):
+        out = {}
+        for file in directory.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                out.update({k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()})
+        return out
+
+    assert tensors(ours) == tensors(tmp_path / "reference")
+    plain = AutoModelForCausalLM.from_pretrained(ours, dtype=torch.float32)
+    kt = ktcore.load_model(ours, {"kt_backend": "torch"}, dtype=torch.float32, progress=False)
+    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected, got = plain(ids).logits, kt(ids).logits
+    # transformers would initialise experts it did not find, and ktcore refuses a checkpoint without them
+    assert (got - expected).norm() <= 1e-5 * expected.norm()  # measured 3e-8 to 1.3e-7 (fp32)
+
+
+def test_bad_tokens_are_one_line_and_exit_2_and_every_shape_is_offered():
+    result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--tokens", "2048,0"])
+    assert result.exit_code == 2 and "positive token counts" in result.output
+    shape_option = next(o for o in main.commands["bench"].commands["train"].params if o.name == "shape")
+    assert sorted(shape_option.type.choices) == sorted(SHAPES)
