@@ -50,6 +50,7 @@ class TestAMXBF16ContractTwoPools(TestAMXBF16Contract):
 class TestPortableContract(_PortableMixin, ExpertBackendContract):
     backend_name = "amx_bf16"
     weight_dtype = torch.bfloat16
+    # worst measured (portable kernels, both classes): 3.2e-3 / 5.6e-3, activations rounded to bf16 by the kernels
     rtol_out = 1e-2
     rtol_grad = 2e-2
 
