@@ -5,7 +5,9 @@ identical); ktcore (experts on the CPU backend) vs plain PEFT on plain transform
 base+adapter agree to <= 1e-5 relative error in fp32 (only the summation order differs).
 """
 
+import hashlib
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -237,6 +239,18 @@ def test_fused_expert_fails_closed(good_fe, tmp_path, case):
         core.load(d)
     run = CliRunner().invoke(main, ["adapter", "verify", str(d)])
     assert run.exit_code == 2 and "error:" in run.output
+
+
+def test_sha256_file_reads_every_byte_of_a_multi_mib_file(tmp_path):
+    """Adapter files are hashed whole: a one-bit change far past the first MiB of a 3 MiB file shows."""
+    data = bytearray(random.Random(0).randbytes(3 * 2**20 + 12345))
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(data)
+    before = core.sha256_file(path)
+    assert before == hashlib.sha256(data).hexdigest()
+    data[2 * 2**20 + 777] ^= 1
+    path.write_bytes(data)
+    assert core.sha256_file(path) == hashlib.sha256(data).hexdigest() != before
 
 
 def test_fused_expert_other_base_rank_alpha(good_fe, trained):
