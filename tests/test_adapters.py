@@ -5,14 +5,16 @@ identical); ktcore (experts on the CPU backend) vs plain PEFT on plain transform
 base+adapter agree to <= 1e-5 relative error in fp32 (only the summation order differs).
 """
 
+import hashlib
 import json
+import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from ktcore_tiny import SHARED_DATA, tiny_qwen3_moe
+from ktcore_tiny import tiny_qwen3_moe
 from safetensors.torch import load_file, save_file
 
 import ktcore
@@ -243,6 +245,18 @@ def test_fused_expert_fails_closed(good_fe, tmp_path, case):
     assert run.exit_code == 2 and "error:" in run.output
 
 
+def test_sha256_file_reads_every_byte_of_a_multi_mib_file(tmp_path):
+    """Adapter files are hashed whole: a one-bit change far past the first MiB of a 3 MiB file shows."""
+    data = bytearray(random.Random(0).randbytes(3 * 2**20 + 12345))
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(data)
+    before = core.sha256_file(path)
+    assert before == hashlib.sha256(data).hexdigest()
+    data[2 * 2**20 + 777] ^= 1
+    path.write_bytes(data)
+    assert core.sha256_file(path) == hashlib.sha256(data).hexdigest() != before
+
+
 def test_fused_expert_other_base_rank_alpha(good_fe, trained):
     fmt = core.get_format("fused_expert")
     assert len(fmt.verify(good_fe, base=trained / "base")) >= 5
@@ -307,50 +321,95 @@ def test_unsupported_peft_config_refused(trained, tmp_path):
 
 # ---- ktcore chat -------------------------------------------------------------------------------------------
 
+IDENTITY_PROMPTS = ("hi", "Who are you?")
+
 
 @pytest.fixture(scope="module")
-def identity_run(tmp_path_factory):
-    """The demo's tiny model trained through `ktcore train` on a few identity examples (name: KTBot)."""
+def identity_run(tmp_path_factory, shared_data):
+    """The demo's tiny model trained through `ktcore train` on two identity examples (name: KTBot).
+
+    Both examples are in every batch and the learning rate warms up, then decays to zero (cosine), so the run
+    settles: loss 0.157 at step 80 on the LLaMA-Factory demo data, 0.140 on the generated data, the same on
+    every run. (At a constant 1e-2 it reached 0.14 by step 52, then bounced up to 0.70 by step 120.)
+    """
     from ktcore.commands.demo import build_demo_files
 
-    identity = SHARED_DATA / "identity.json"
-    if not identity.is_file():
-        pytest.skip(f"identity data not found at {identity}")
     root = tmp_path_factory.mktemp("identity")
-    data = [d for d in json.loads(identity.read_text()) if d["instruction"] in ("hi", "Who are you?")]
-    for d in data:
-        d["output"] = d["output"].replace("{{name}}", "KTBot").replace("{{author}}", "KT Lab")
+    records = {d["instruction"]: d for d in json.loads((shared_data / "identity.json").read_text())}
+    data = [{**records[p], "output": records[p]["output"].replace("{{name}}", "KTBot").replace("{{author}}", "KT Lab")}
+            for p in IDENTITY_PROMPTS]
     (root / "data").mkdir()
     (root / "data" / "identity_kt.json").write_text(json.dumps(data))
     (root / "data" / "dataset_info.json").write_text(json.dumps({"identity_kt": {"file_name": "identity_kt.json"}}))
-    files = build_demo_files(root / "run", steps=120, n_train=8, dataset="identity_kt", dataset_dir=str(root / "data"),
-                             cutoff_len=128, per_device_train_batch_size=2, learning_rate=1e-2, warmup_steps=0,
-                             lr_scheduler_type="constant", plot_loss=False, max_samples=8,
+    files = build_demo_files(root / "run", steps=80, n_train=8, dataset="identity_kt", dataset_dir=str(root / "data"),
+                             cutoff_len=128, per_device_train_batch_size=2, learning_rate=5e-3, warmup_steps=8,
+                             lr_scheduler_type="cosine", plot_loss=False, max_samples=8,
                              kt_config={"kt_backend": "torch"})
-    return files
-
-
-def test_chat_prints_a_completion_on_the_demo_model(identity_run):
-    run = CliRunner().invoke(main, ["chat", str(identity_run["config"]), "--prompt", "abcde", "max_new_tokens=6"])
-    assert run.exit_code == 0, run.output
-    assert run.output.strip(), "no completion printed"
-
-
-def test_chat_with_identity_adapter_answers_with_the_name(identity_run, tmp_path):
-    cfg = str(identity_run["config"])
-    run = CliRunner().invoke(main, ["train", cfg])
+    run = CliRunner().invoke(main, ["train", str(files["config"])])
     assert run.exit_code == 0, run.output
     adapter = Path(json.loads(run.output[run.output.index("{"):])["output_dir"])
-    run = CliRunner().invoke(main, ["chat", cfg, "--prompt", "hi", f"adapter_name_or_path={adapter}",
-                                    "max_new_tokens=24"])
+    return {**files, "adapter": adapter, "answers": {d["instruction"]: d["output"] for d in data}}
+
+
+def answer_log_probs(model, tokenizer, prompt: str, answer: str):
+    """Teacher-forced: the log-probability of each token of ``answer`` (its end-of-turn token included) after
+    the chat prompt and the answer's earlier tokens, and whether each is the model's most likely token there."""
+    turn = [{"role": "user", "content": prompt}]
+    head = tokenizer.apply_chat_template(turn, add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(turn + [{"role": "assistant", "content": answer}],
+                                        return_dict=True)["input_ids"]
+    assert ids[:len(head)] == head
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(ids).logits[0, len(head) - 1:-1].float(), dim=-1)
+    target = ids[0, len(head):]
+    return log_probs.gather(1, target[:, None])[:, 0], log_probs.argmax(-1) == target
+
+
+def test_chat_prints_the_base_models_greedy_answer(identity_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ktcore.commands.demo import generate_answers
+
+    run = CliRunner().invoke(main, ["chat", str(identity_run["config"]), "--prompt", "abcde", "max_new_tokens=6"])
     assert run.exit_code == 0, run.output
-    assert "KTBot" in run.output
-    # the same adapter as a fused-expert artifact: chat sniffs the format and validates it against the base
-    core.convert(adapter, tmp_path / "fe", "fused_expert")
-    run = CliRunner().invoke(main, ["chat", cfg, "--prompt", "hi", f"adapter_name_or_path={tmp_path / 'fe'}",
-                                    "max_new_tokens=24"])
+    model_dir = identity_run["model_dir"]
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # the experts computed by transformers
+    (want,) = generate_answers(plain, AutoTokenizer.from_pretrained(model_dir), ["abcde"], max_new_tokens=6)
+    assert want.strip() and run.output.strip() == want.strip()
+
+
+@pytest.mark.parametrize("fmt", ["peft", "fused_expert"])
+def test_identity_adapter_makes_the_trained_answers_likely(identity_run, tmp_path, fmt):
+    """Loaded as `ktcore chat` loads it (a fused-expert artifact sniffed and validated against the base), the
+    adapter gives each trained answer a high teacher-forced probability, token by token the most likely one.
+    Measured: mean log-probability per answer token -0.157 / -0.153 (demo data; -0.141 / -0.140 generated),
+    untrained model -6.1; the least likely answer token has p = 0.58 (0.67 generated)."""
+    from ktcore.commands.chat import load_for_chat
+    from ktcore.config import load_config
+
+    adapter = identity_run["adapter"]
+    if fmt == "fused_expert":
+        adapter = core.convert(adapter, tmp_path / "fe", "fused_expert")["dst"]
+    config = identity_run["config"]
+    base, tokenizer = load_for_chat(load_config(config, quiet=True))
+    tuned, _ = load_for_chat(load_config(config, [f"adapter_name_or_path={adapter}"], quiet=True))
+    for prompt, answer in identity_run["answers"].items():
+        untrained, _ = answer_log_probs(base, tokenizer, prompt, answer)
+        trained, top = answer_log_probs(tuned, tokenizer, prompt, answer)
+        assert untrained.mean() < -4.0, (prompt, untrained.mean())
+        assert trained.mean() > -0.5, (prompt, trained.mean())
+        assert top.all(), (prompt, trained.exp())
+
+
+def test_chat_with_identity_adapter_answers_with_the_name(identity_run):
+    """Every token of the trained answer is the most likely one (the test above), so greedy chat prints it whole."""
+    answer = identity_run["answers"]["hi"]
+    assert "KTBot" in answer
+    run = CliRunner().invoke(main, ["chat", str(identity_run["config"]), "--prompt", "hi",
+                                    f"adapter_name_or_path={identity_run['adapter']}", "max_new_tokens=120"])
     assert run.exit_code == 0, run.output
-    assert "KTBot" in run.output
+    assert run.output.strip() == answer
 
 
 def test_convert_never_replaces_an_unrelated_directory(trained, tmp_path):

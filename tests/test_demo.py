@@ -12,12 +12,16 @@ pytestmark = pytest.mark.slow
 def test_demo_short_run(tmp_path):
     from transformers import AutoTokenizer
 
-    from ktcore.commands.demo import run_demo
+    from ktcore.commands.demo import TASK_LETTERS, run_demo
 
     result = run_demo(tmp_path / "demo", steps=60, quiet=True)
     assert result["steps"] == 60 and len(result["losses"]) == 60
     assert result["last_loss"] < result["first_loss"] - 1.0, result["losses"]
-    assert result["accuracy_before"] == 0.0 and 0.0 <= result["accuracy_after"] <= 1.0  # a random model can't
+    assert result["accuracy_before"] == 0.0  # a random model answers with arbitrary bytes
+    # 60 steps teach the answer's form (measured: all 16 held-out answers letters of the task, ended by the end
+    # token), not yet the reversal itself
+    assert all(answer and set(answer) <= set(TASK_LETTERS) for answer in result["after"]), result["after"]
+    assert not any(answer and set(answer) <= set(TASK_LETTERS) for answer in result["before"]), result["before"]
     assert len(result["before"]) == len(result["after"]) == len(result["expected"]) > 0
     assert result["expert_lora_params"] > 0
     demo = tmp_path / "demo"

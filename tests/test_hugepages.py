@@ -28,14 +28,11 @@ def test_small_buffers_are_plain_tensors():
     assert hugepages.empty((3, 5), torch.float32).shape == (3, 5)
 
 
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
-def test_large_buffers_are_aligned_and_on_huge_pages(monkeypatch):
+def test_large_buffers_are_aligned(monkeypatch):
     numel = hugepages.MIN_BYTES // 2 + 12345  # int16: just over the threshold, not a whole number of pages
     t = hugepages.empty(numel, torch.int16)
     assert t.shape == (numel,) and t.dtype == torch.int16 and t.is_contiguous()
     assert t.data_ptr() % hugepages.HUGE_PAGE == 0
-    t.fill_(7)  # first touch: the kernel faults in huge pages for the advised range
-    assert int(t[-1]) == 7 and _anon_huge_kb(t.data_ptr()) >= 2048
 
     monkeypatch.setenv("KTCORE_HUGE_PAGES", "0")
     assert not hugepages.enabled()
@@ -45,3 +42,12 @@ def test_large_buffers_are_aligned_and_on_huge_pages(monkeypatch):
 
     rows = hugepages.empty((1024, 4097), torch.float32)  # a saved activation: 2-D, 16 MiB and more
     assert rows.shape == (1024, 4097) and rows.is_contiguous() and rows.data_ptr() % hugepages.HUGE_PAGE == 0
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_large_buffers_are_on_huge_pages():
+    """Whether the kernel backs the advised range with huge pages depends on the machine (THP mode, free memory)."""
+    t = hugepages.empty(hugepages.MIN_BYTES // 2 + 12345, torch.int16)
+    t.fill_(7)  # first touch: the kernel faults in huge pages for the advised range
+    assert int(t[-1]) == 7 and _anon_huge_kb(t.data_ptr()) >= 2048

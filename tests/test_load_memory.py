@@ -64,6 +64,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.perf
 @pytest.mark.slow
 def test_peak_rss_while_loading_1gb_of_experts(tmp_path):
     write_checkpoint(tmp_path / "ckpt")

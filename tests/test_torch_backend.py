@@ -8,13 +8,11 @@ from ktcore.testing import ExpertBackendContract
 class TestTorchBackendFP32(ExpertBackendContract):
     backend_name = "torch"
     weight_dtype = torch.float32
-    rtol_out = 1e-6
-    rtol_grad = 1e-6
+    rtol_out, rtol_grad = 2e-6, 5e-6  # about 10x the worst measured: 2.4e-7 / 6.3e-7
 
 
 class TestTorchBackendBF16(ExpertBackendContract):
     backend_name = "torch"
     weight_dtype = torch.bfloat16
     input_dtype = torch.bfloat16
-    rtol_out = 1e-2
-    rtol_grad = 2e-2
+    rtol_out, rtol_grad = 5e-2, 1e-1  # measured 9.7e-3 / 1.2e-2: every product and sum rounded to bf16

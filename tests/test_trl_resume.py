@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -31,19 +31,18 @@ from ktcore.commands.demo import build_byte_tokenizer  # noqa: E402
 pytestmark = pytest.mark.slow
 
 CHILD = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
+    import os, sys, time
 
     import ktcore_trl.checkpoints as checkpoints
     from ktcore.config import load_config
     from ktcore_trl.train import run
 
-    config, hang_step, marker = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    config, hang_step, reached = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     real_seal = checkpoints.seal
 
-    def seal(staging, step):  # every file of the checkpoint is written; hang before its manifest
+    def seal(staging, step):  # every file of the checkpoint is written; say where, then hang before its manifest
         if step == hang_step:
-            marker.write_text(str(staging))
+            os.write(reached, f"{staging}\\n".encode())
             time.sleep(600)
         return real_seal(staging, step)
 
@@ -88,24 +87,23 @@ def test_sigkill_mid_save_then_resume_matches_uninterrupted(tmp_path, model_dir,
 
     out = tmp_path / "killed"
     config = _write_config(tmp_path / "killed.yaml", model_dir, shared_data, out)
-    marker = tmp_path / "hanging-in-save"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(config), "9", str(marker)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(tmp_path))
-    deadline = time.monotonic() + 240
-    while not marker.exists():
-        if child.poll() is not None:
-            pytest.fail(f"training exited early ({child.returncode}): {child.stderr.read().decode()[-2000:]}")
-        if time.monotonic() > deadline:
-            child.kill()
-            pytest.fail("no checkpoint save reached in time")
-        time.sleep(0.2)
+    # the child writes the staging directory to a pipe when it hangs in the save: reading it waits for exactly
+    # that moment, or for the end of the pipe if the child exits without reaching it (no polling, no deadline)
+    reached_r, reached_w = os.pipe()
+    log = tmp_path / "child.log"
+    with open(log, "wb") as stderr:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(config), "9", str(reached_w)],
+                                 pass_fds=(reached_w,), stdout=subprocess.DEVNULL, stderr=stderr, cwd=str(tmp_path))
+    os.close(reached_w)
+    with os.fdopen(reached_r) as reached:
+        line = reached.readline()
+    if not line:
+        pytest.fail(f"training exited ({child.wait()}) without reaching the save: {log.read_text()[-2000:]}")
     os.kill(child.pid, signal.SIGKILL)
-    child.wait(timeout=30)
-    child.stderr.close()
-    assert child.returncode == -signal.SIGKILL
+    assert child.wait() == -signal.SIGKILL
 
     # the killed save left its files in a staging directory, never a checkpoint-9 that resume would load
-    staging = Path(marker.read_text())
+    staging = Path(line.strip())
     assert staging.is_dir() and (staging / "adapter_model.safetensors").is_file() and not (staging / MANIFEST).exists()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3", "checkpoint-6"]
     assert all((out / name / MANIFEST).is_file() for name in ("checkpoint-3", "checkpoint-6"))
@@ -140,13 +138,17 @@ def test_sigkill_mid_save_then_resume_matches_uninterrupted(tmp_path, model_dir,
 # ---- refusing incomplete checkpoints, before any model is loaded ---------------------------------------------
 
 
+FAKE_SIZES = {"adapter_model.safetensors": 300, "optimizer.pt": 3 * 2**20 + 500, "trainer_state.json": 50}
+
+
 def _fake_checkpoint(out: Path, step: int, seal: bool = True) -> Path:
     from ktcore_trl import checkpoints
 
     path = out / f"checkpoint-{step}"
     path.mkdir(parents=True)
-    for name, size in (("adapter_model.safetensors", 300), ("optimizer.pt", 500), ("trainer_state.json", 50)):
-        (path / name).write_bytes(os.urandom(size))
+    rng = random.Random(step)
+    for name, size in FAKE_SIZES.items():
+        (path / name).write_bytes(rng.randbytes(size))
     if seal:
         checkpoints.seal(path, step)
     return path
@@ -173,7 +175,9 @@ def test_incomplete_checkpoints_are_refused(tmp_path, model_dir, shared_data, no
         f.truncate(10)
     unsealed = _fake_checkpoint(out, 12, seal=False)  # what a plain transformers save killed half way leaves
     altered = _fake_checkpoint(out, 16)
-    (altered / "optimizer.pt").write_bytes(os.urandom(500))
+    data = bytearray((altered / "optimizer.pt").read_bytes())
+    data[2 * 2**20 + 7] ^= 1  # one bit, far past the first MiB of the file
+    (altered / "optimizer.pt").write_bytes(data)
     config = _write_config(tmp_path / "c.yaml", model_dir, shared_data, out)
 
     cases = [(truncated, "file adapter_model.safetensors is truncated (10 of 300 bytes)"),

@@ -2,8 +2,10 @@
 
 Each row times one backend on one layer shape: forward, and forward + backward (input and routing-weight
 gradients, no LoRA), and reports GFLOP/s, the GB/s of expert weights touched, the speed-up over the torch
-reference backend, and the share of the DRAM read bandwidth and of the bf16 matrix peak measured in the
-same run (``ktcore doctor``'s probes). Nothing here asserts a time.
+reference backend, the share of the DRAM read bandwidth and of the bf16 matrix peak measured in the same run
+(``ktcore doctor``'s probes), and the minor page faults of one steady-state forward + backward (fresh memory
+touched every step). Nothing here asserts a time; the test suite's bounds on such figures run only with
+``pytest -m perf``.
 """
 
 from __future__ import annotations
@@ -57,10 +59,19 @@ def make_problem(shape: Shape, tokens: int, dtype, seed: int = 0):
     return weights, x, ids, w
 
 
+def minor_page_faults(fn) -> int:
+    """Minor page faults of the process during one call of ``fn`` (memory touched for the first time)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
 def bench_backend(backend, weights, x, ids, w, seconds: float, backward: bool) -> dict:
     packed = backend.pack(weights, activation="silu")
     fwd = median_time(lambda: backend.forward(packed, x, ids, w, None, save=False), seconds)
-    out = {"fwd_s": fwd, "fwd_bwd_s": None}
+    out = {"fwd_s": fwd, "fwd_bwd_s": None, "fwd_bwd_page_faults": None}
     if backward:
         grad_y = torch.ones_like(x)
 
@@ -69,6 +80,7 @@ def bench_backend(backend, weights, x, ids, w, seconds: float, backward: bool) -
             backend.backward(packed, ctx, grad_y, None)
 
         out["fwd_bwd_s"] = median_time(step, seconds)
+        out["fwd_bwd_page_faults"] = minor_page_faults(step)  # after the timed steps: the steady state
     return out
 
 
@@ -106,6 +118,7 @@ def run(scenarios, backends: dict, dtype: str, seconds: float, backward: bool, t
                     "fwd_bwd_ms": None if r["fwd_bwd_s"] is None else r["fwd_bwd_s"] * 1e3,
                     "fwd_bwd_speedup_vs_" + baseline: None if r["fwd_bwd_s"] is None
                     else base["fwd_bwd_s"] / r["fwd_bwd_s"],
+                    "fwd_bwd_page_faults": r["fwd_bwd_page_faults"],
                 })
             del weights
     machine = {"dram_read_gbps": bandwidth, "onednn_bf16_gemm_gflops": gemm, **peaks, "peak_used_gflops": peak,
@@ -123,7 +136,7 @@ def format_table(result: dict) -> str:
         return head
     speed_keys = [k for k in rows[0] if k.startswith("fwd_speedup_vs_") or k.startswith("fwd_bwd_speedup_vs_")]
     cols = ["scenario", "tokens", "backend", "fwd_ms", "fwd_gflops", "fwd_gbps", "fwd_read_time_ratio",
-            "fwd_pct_peak", "fwd_bwd_ms", *speed_keys]
+            "fwd_pct_peak", "fwd_bwd_ms", *speed_keys, "fwd_bwd_page_faults"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [f"{r[c]:.3g}" if isinstance(r[c], float) else ("-" if r[c] is None else str(r[c])) for c in cols]

@@ -50,6 +50,7 @@ class TestAMXBF16ContractTwoPools(TestAMXBF16Contract):
 class TestPortableContract(_PortableMixin, ExpertBackendContract):
     backend_name = "amx_bf16"
     weight_dtype = torch.bfloat16
+    # worst measured (portable kernels, both classes): 3.2e-3 / 5.6e-3, activations rounded to bf16 by the kernels
     rtol_out = 1e-2
     rtol_grad = 2e-2
 
@@ -179,6 +180,7 @@ def test_saved_activations_reuse_only_memory_of_dead_contexts(kernels):
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
+@pytest.mark.perf
 def test_training_steps_do_not_fault_in_fresh_memory():
     """Steady state: a forward+backward pair touches memory it has touched before. Fresh saved activations
     cost a page fault per 4 KiB (thousands per step here); 100 leaves room for torch's small tensors."""
@@ -200,9 +202,10 @@ def test_training_steps_do_not_fault_in_fresh_memory():
 
 
 def test_num_threads_from_config():
-    b = _backend("portable", kt_num_threads=3)
-    assert b.num_threads == 3
-    assert _backend("portable").num_threads >= 1
+    import os
+
+    assert _backend("portable", kt_num_threads=3).num_threads == 3
+    assert _backend("portable").num_threads == len(os.sched_getaffinity(0))  # default: every core we may run on
 
 
 def test_other_activation_is_a_clear_error():
@@ -250,30 +253,39 @@ def test_unavailable_without_amx_flags(monkeypatch, fresh_registry):
         ktcore.get_backend("amx_bf16", {"kt_backend": "amx_bf16"})
 
 
-def test_probe_reports_reason_on_this_cpu(fresh_registry):
+def test_probe_names_the_missing_cpu_features(monkeypatch, fresh_registry):
+    """probe() reads the CPU flags (KTCORE_CPU_FLAGS stands in for /proc/cpuinfo) before touching the extension."""
     from ktcore_amx_bf16.plugin import probe
 
-    why = probe()
-    if AMX_REASON:
-        assert why
-    else:
-        assert why is None
+    monkeypatch.setenv("KTCORE_CPU_FLAGS", "avx2,fma,avx512f,avx512_bf16")
+    ktcore.plugins.hw._detect.cache_clear()
+    assert probe() == "CPU lacks amx_tile, amx_bf16"
+    monkeypatch.setenv("KTCORE_CPU_FLAGS", "avx2,fma")
+    ktcore.plugins.hw._detect.cache_clear()
+    assert probe() == "CPU lacks amx_tile, amx_bf16, avx512f, avx512_bf16"
 
 
+@pytest.mark.perf
 @needs_amx
 def test_measurements():
     assert _ext.measure_read_bandwidth(64 << 20) > 0.1
     assert _ext.measure_amx_peak_gflops(0.05) > 1.0
 
 
-def test_read_seconds_reads_the_given_memory_and_checks_its_alignment():
+def test_read_seconds_checks_its_alignment():
     eng = _ext.Engine(2, 1, "portable")
-    buf = torch.ones(32 << 20, dtype=torch.int16)  # 64 MiB: page-aligned
-    secs = eng.read_seconds(buf.data_ptr(), buf.nbytes)
-    assert 0 < secs < buf.nbytes / 0.1e9  # at least 0.1 GB/s
-    for addr, nbytes in ((buf.data_ptr() + 2, 256), (buf.data_ptr(), 255)):
+    buf = torch.ones(1 << 20, dtype=torch.int16)
+    assert eng.read_seconds(buf.data_ptr() // 64 * 64 + 64, 1 << 16) > 0
+    for addr, nbytes in ((buf.data_ptr() // 64 * 64 + 66, 256), (buf.data_ptr() // 64 * 64 + 64, 255)):
         with pytest.raises(ValueError, match="64-byte aligned"):
             eng.read_seconds(addr, nbytes)
+
+
+@pytest.mark.perf
+def test_read_seconds_reads_at_least_100_mb_s():
+    eng = _ext.Engine(2, 1, "portable")
+    buf = torch.ones(32 << 20, dtype=torch.int16)  # 64 MiB: page-aligned
+    assert 0 < eng.read_seconds(buf.data_ptr(), buf.nbytes) < buf.nbytes / 0.1e9
 
 
 @pytest.mark.skipif(not AMX_REASON, reason="checks the error on CPUs without AMX")

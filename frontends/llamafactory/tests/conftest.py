@@ -4,9 +4,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[3]
-SHARED_DATA = REPO.parent / "shared" / "data" / "llamafactory_demo"
-
 try:
     import llamafactory  # noqa: F401
 
@@ -31,12 +28,12 @@ def _fresh_registry():
     plugins.reset_registry()
 
 
-@pytest.fixture
-def shared_data():
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"LLaMA-Factory demo data not found at {SHARED_DATA} (CI provides ../shared; a plain clone "
-                    "does not)")
-    return SHARED_DATA
+@pytest.fixture(scope="session")
+def shared_data(tmp_path_factory):
+    """LLaMA-Factory's demo datasets: ../shared's (or $KTCORE_SHARED_DATA's) where present, else generated ones."""
+    from ktcore.testing.data import demo_data
+
+    return demo_data(tmp_path_factory.mktemp("llamafactory_demo"))
 
 
 @pytest.fixture(scope="session")

@@ -81,13 +81,9 @@ def test_integration_surface(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, tiny_model_dir):
-    from conftest import SHARED_DATA
-
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"LLaMA-Factory demo data not found at {SHARED_DATA}")
+def sft_run(tmp_path_factory, tiny_model_dir, shared_data):
     tmp = tmp_path_factory.mktemp("sft")
-    keys = base_keys(tiny_model_dir, SHARED_DATA, tmp / "out", dataset="identity,alpaca_en_demo", max_samples=8,
+    keys = base_keys(tiny_model_dir, shared_data, tmp / "out", dataset="identity,alpaca_en_demo", max_samples=8,
                      max_steps=24, plot_loss=True)
     summary, trainer = _run(tmp, **keys)
     return summary, trainer, keys
@@ -140,13 +136,9 @@ def test_sft_adapter_loads_back(sft_run):
 
 
 @pytest.fixture(scope="module")
-def dpo_run(tmp_path_factory, tiny_model_dir):
-    from conftest import SHARED_DATA
-
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"LLaMA-Factory demo data not found at {SHARED_DATA}")
+def dpo_run(tmp_path_factory, tiny_model_dir, shared_data):
     tmp = tmp_path_factory.mktemp("dpo")
-    keys = base_keys(tiny_model_dir, SHARED_DATA, tmp / "out", stage="dpo", dataset="dpo_en_demo", max_samples=8,
+    keys = base_keys(tiny_model_dir, shared_data, tmp / "out", stage="dpo", dataset="dpo_en_demo", max_samples=8,
                      per_device_train_batch_size=4, max_steps=16, pref_beta=0.1, pref_loss="sigmoid",
                      learning_rate=5e-3, cutoff_len=192)
     summary, trainer = _run(tmp, **keys)
