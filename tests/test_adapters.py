@@ -250,11 +250,11 @@ def test_sha256_file_reads_every_byte_of_a_multi_mib_file(tmp_path):
     data = bytearray(random.Random(0).randbytes(3 * 2**20 + 12345))
     path = tmp_path / "big.safetensors"
     path.write_bytes(data)
-    before = core.sha256_file(path)
+    before = sha256_file(path)
     assert before == hashlib.sha256(data).hexdigest()
     data[2 * 2**20 + 777] ^= 1
     path.write_bytes(data)
-    assert core.sha256_file(path) == hashlib.sha256(data).hexdigest() != before
+    assert sha256_file(path) == hashlib.sha256(data).hexdigest() != before
 
 
 def test_fused_expert_other_base_rank_alpha(good_fe, trained):
