@@ -19,4 +19,18 @@ for pkg in frontends/trl backends/amx_bf16 backends/llamafile adapters/peft adap
         python -m pip install -q -e "$pkg"
     fi
 done
+# node-llama-cpp (a prebuilt llama.cpp CPU binary) for the llama.cpp LoRA tests, outside the repository; those
+# tests skip with the reason where node/npm or this install is missing.
+NODE_LLAMA_CPP=3.21.1  # keep in step with tests/llamacpp/__init__.py
+nlc_dir=${KTCORE_NODE_LLAMA_CPP:-$HOME/.cache/ktcore/node-llama-cpp-$NODE_LLAMA_CPP}
+if [ "$(uname -sm)" = "Linux x86_64" ] && command -v npm >/dev/null &&
+        [ ! -f "$nlc_dir/node_modules/@node-llama-cpp/linux-x64/package.json" ]; then
+    echo "installing node-llama-cpp $NODE_LLAMA_CPP (llama.cpp's linux-x64 CPU build, ~85 MB) into $nlc_dir"
+    mkdir -p "$nlc_dir"
+    # --ignore-scripts: no postinstall (it would build llama.cpp from source where the binary fails to load); the
+    # tests use the prebuilt binary only
+    npm install --prefix "$nlc_dir" --no-audit --no-fund --ignore-scripts --omit=optional --save-exact \
+        "node-llama-cpp@$NODE_LLAMA_CPP" "@node-llama-cpp/linux-x64@$NODE_LLAMA_CPP" >/dev/null ||
+        echo "node-llama-cpp not installed: the llama.cpp tests will skip"
+fi
 echo "ktcore installed in .venv ($(python -c 'import ktcore; print(ktcore.__version__)'))"

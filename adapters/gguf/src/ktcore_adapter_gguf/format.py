@@ -177,6 +177,7 @@ class Format:
         dst = Path(dst)
         dst.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would outlive the rename
         os.close(fd)
         try:
             writer = gguf.GGUFWriter(tmp, info.arch)
