@@ -28,7 +28,8 @@ from test_smollm2 import smollm2_gguf
 from ktcore.cli import main
 
 pytestmark = pytest.mark.slow
-needs_llamacpp = pytest.mark.skipif(llamacpp.unavailable() is not None, reason=str(llamacpp.unavailable()))
+UNAVAILABLE = llamacpp.unavailable()
+needs_llamacpp = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 CAPITALS = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
             "Egypt": "Cairo", "Canada": "Ottawa", "Peru": "Lima", "Norway": "Oslo", "Kenya": "Nairobi",
