@@ -31,6 +31,7 @@ from ktcore.config import KTConfig
 from ktcore.experts import ExpertWeights
 from ktcore_amx_bf16 import _ext
 from ktcore_amx_bf16.backend import AMXBF16Backend
+from ktcore_amx_bf16.measure import Meter, amx_peak_gflops, read_bandwidth_gbps
 
 
 def timeit(fn, min_time=1.0, min_reps=3, max_reps=50, warmup=1):
@@ -137,7 +138,7 @@ def timed_backward(backend, packed, x, ids, w, gy):
 @dataclass
 class Run:
     """What every layer's benchmark needs from main: the backends, the output, the timing settings, the
-    machine's measured bandwidth (GB/s) and AMX peak (GFLOP/s)."""
+    machine's measured bandwidth (GB/s) and AMX peak (GFLOP/s), and a meter on as many threads as the backend."""
     amx: AMXBF16Backend
     tb: object
     out: Callable[..., None]
@@ -147,6 +148,7 @@ class Run:
     bw: float
     peak: float
     threads: int
+    meter: Meter
 
 
 def memory_bound(run):
@@ -159,10 +161,9 @@ def memory_bound(run):
     nbytes = packed.gate.nbytes + packed.up.nbytes + packed.down.nbytes
     t_read = nbytes / (run.bw * 1e9)
     tpk = tb.pack(wts)
-    eng = amx._engine
 
     def read_weights():  # one streaming read of the packed weights themselves, every thread
-        return sum(eng.read_seconds(t.data_ptr(), t.nbytes) for t in (packed.gate, packed.up, packed.down))
+        return sum(run.meter.read_seconds(t.data_ptr(), t.nbytes) for t in (packed.gate, packed.up, packed.down))
 
     tf, tfb, ttf, pf, pb = rounds(
         run.rounds, lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
@@ -207,7 +208,7 @@ def compute_bound(run):
         return hh[:, :I] @ w2
 
     def at_peak():  # seconds for these FLOPs at the tile-only rate measured right now
-        return flops / (amx._engine.amx_peak(0.05) * 1e9)
+        return flops / (run.meter.amx_peak(0.05) * 1e9)
 
     tf, tfb, t_dense, pf = rounds(
         run.rounds, lambda: timeit(run_fwd(amx, packed, x, ids, w), min_time=min_time),
@@ -298,17 +299,18 @@ def main():
                 cpu = line.split(":", 1)[1].strip()
                 break
     out(f"machine: {cpu}, {threads} threads (amx_bf16 pool {amx.num_threads}), torch {torch.__version__}")
-    bw = statistics.median(_ext.measure_read_bandwidth(2 << 30) for _ in range(3))
+    bw = statistics.median(read_bandwidth_gbps(2 << 30) for _ in range(3))
     big = torch.ones((2 << 30) // 4, dtype=torch.float32)
     t_sum = timeit(lambda: big.sum(), min_time=min_time)
     bw_torch = big.nbytes / t_sum / 1e9
     del big
-    peak = _ext.measure_amx_peak_gflops(1.0)
+    peak = amx_peak_gflops(1.0)
     out(f"DRAM read bandwidth: {bw:.1f} GB/s (extension AVX-512 read), {bw_torch:.1f} GB/s (torch.sum over 2 GiB)")
     out(f"AMX BF16 tile-only peak: {peak:.0f} GFLOP/s")
     out()
 
-    run = Run(amx, tb, out, min_time, args.rounds, args.skip_torch_backend, bw, peak, threads)
+    run = Run(amx, tb, out, min_time, args.rounds, args.skip_torch_backend, bw, peak, threads,
+              Meter(amx.num_threads, "amx"))
     for case, bench in CASES.items():
         if case in cases:
             bench(run)
@@ -319,10 +321,10 @@ def main():
         out("| threads | m rows | K blocks | GFLOP/s |")
         out("| ---: | ---: | ---: | ---: |")
         for th in (1, threads):
-            eng = _ext.Engine(th, 1, "amx")
+            meter = Meter(th, "amx")
             for m, kb in ((32, 8), (32, 64), (256, 64), (4, 64), (1, 64)):
-                out(f"| {th} | {m} | {kb} | {eng.bench_gemm(m, kb, 2000 if m <= 32 else 200):.0f} |")
-        out(f"| 1 | tile-only peak | | {_ext.Engine(1, 1, 'amx').amx_peak(0.3):.0f} |")
+                out(f"| {th} | {m} | {kb} | {meter.bench_gemm(m, kb, 2000 if m <= 32 else 200):.0f} |")
+        out(f"| 1 | tile-only peak | | {Meter(1, 'amx').amx_peak(0.3):.0f} |")
         out()
     if args.profile:
         from ktcore_amx_bf16 import backend as bmod

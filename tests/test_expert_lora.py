@@ -1,59 +1,58 @@
-"""The expert-LoRA math the native backends share (fp32 torch between their C++ phases) against float64 autograd.
+"""The expert-LoRA math the native backends share (ktcore/include/ktcore/expert_lora.hpp, run inside their tasks)
+in fp32 against float64 autograd.
 
-The backends' contract runs it only under their own rounding (bf16 activations, quantised weights), which can
-hide an error of its own; here it is alone, in fp32, at about 10x the measured error. To test another
-implementation of the same math, point ``lora_forward`` / ``lora_backward`` below at it.
+The backends' contract checks it only next to their base projections, whose rounding can hide an error of its
+own. Here the llamafile backend runs on fp32 weights (exact, no block rounding) that are small next to the LoRA
+deltas, so the layer's output and gradients are mostly the LoRA terms; an expert gets no rows, gate_up and down
+have different ranks and scales. Tolerances are about 10x the measured error.
 """
 
 import pytest
 import torch
 
-from ktcore.experts.lora_math import lora_backward, lora_forward
+from ktcore.config import KTConfig
+from ktcore.experts import ExpertLoRA, ExpertWeights
 from ktcore.testing import relative_error
+from ktcore.testing.contract import dense_reference
 
-E, IN, OUT, RANK, TOKENS = 5, 24, 40, 3, 9
-SCALE = 1.75
-TOL = 2e-6  # worst measured: 1.7e-7
+E, H, I, TOKENS, TOP_K = 5, 40, 24, 9, 2
+TOL_OUT, TOL_GRAD = 2e-6, 1e-5  # worst measured: 2.4e-7 / 1.1e-6
 
 
-def _problem(seed, with_rows):
+def _problem(seed: int):
     g = torch.Generator().manual_seed(seed)
-    counts = torch.tensor([3, 0, 5, 1, 4])  # expert 1 has no rows
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-    rows_n = int(offsets[-1])
-    x = torch.randn(TOKENS if with_rows else rows_n, IN, generator=g)
-    rows = torch.randint(0, TOKENS, (rows_n,), generator=g, dtype=torch.int32) if with_rows else None
-    a = torch.randn(E, RANK, IN, generator=g) * IN ** -0.5
-    b = torch.randn(E, OUT, RANK, generator=g)
-    grad = torch.randn(rows_n, OUT, generator=g)
-    row_weight = torch.rand(rows_n, generator=g)
-    return x, rows, offsets, a, b, grad, row_weight
+    base = ExpertWeights(*(torch.randn(*s, generator=g) * 1e-3 for s in ((E, I, H), (E, I, H), (E, H, I))))
+    lora = ExpertLoRA(torch.randn(E, 3, H, generator=g) * H ** -0.5, torch.randn(E, 2 * I, 3, generator=g),
+                      torch.randn(E, 2, I, generator=g) * I ** -0.5, torch.randn(E, H, 2, generator=g),
+                      gate_up_scale=1.75, down_scale=0.5)
+    x = torch.randn(TOKENS, H, generator=g)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:TOP_K] for _ in range(TOKENS)])  # expert E-1: no rows
+    w = torch.rand(TOKENS, TOP_K, generator=g)
+    return base, lora, x, ids, w, torch.randn(TOKENS, H, generator=g)
 
 
-def _reference(x, rows, offsets, a, b, grad, row_weight):
-    """float64 autograd: out[r] = SCALE * B_e A_e x_r for the rows r of expert e; the input gradient per row
-    without the row weight, the factor gradients with it (as lora_backward documents)."""
-    xr = (x if rows is None else x[rows.long()]).double().requires_grad_(True)
-    ad, bd = a.double().requires_grad_(True), b.double().requires_grad_(True)
-    expert = torch.repeat_interleave(torch.arange(E), offsets.diff())
-    out = SCALE * torch.bmm(bd[expert], torch.bmm(ad[expert], xr.unsqueeze(2))).squeeze(2)
-    (gx,) = torch.autograd.grad(out, xr, grad.double(), retain_graph=True)
-    weighted = grad.double() if row_weight is None else grad.double() * row_weight.double().unsqueeze(1)
-    da, db = torch.autograd.grad(out, [ad, bd], weighted)
-    return out.detach(), gx, da, db
+@pytest.mark.parametrize("seed", [0, 1])
+def test_shared_lora_math_matches_float64_autograd(seed):
+    pytest.importorskip("ktcore_llamafile", reason="the native LoRA math runs in a native backend")
+    from ktcore_llamafile.backend import LlamafileBackend
 
+    base, lora, x, ids, w, grad_y = _problem(seed)
+    backend = LlamafileBackend(KTConfig(kt_backend="llamafile", kt_expert_weight_format="fp32", kt_num_threads=2))
+    packed = backend.pack(base)
+    y, ctx = backend.forward(packed, x, ids, w, lora, save=True)
+    gx, gw, grads = backend.backward(packed, ctx, grad_y, lora)
 
-@pytest.mark.parametrize("with_rows", [True, False], ids=["gathered-rows", "row-per-input"])
-@pytest.mark.parametrize("weighted", [True, False], ids=["row-weight", "no-row-weight"])
-def test_lora_math_matches_float64_autograd(with_rows, weighted):
-    x, rows, offsets, a, b, grad, row_weight = _problem(seed=int(with_rows) + 2 * int(weighted), with_rows=with_rows)
-    row_weight = row_weight if weighted else None
-    ref_out, ref_gx, ref_da, ref_db = _reference(x, rows, offsets, a, b, grad, row_weight)
-    out = lora_forward(x, rows, offsets, a, b, SCALE)
-    gx, da, db = lora_backward(x, rows, grad, offsets, a, b, SCALE, row_weight)
-    assert out.dtype == gx.dtype == da.dtype == db.dtype == torch.float32
-    for name, got, want in (("out", out, ref_out), ("grad_x", gx, ref_gx), ("grad_a", da, ref_da),
-                            ("grad_b", db, ref_db)):
-        assert got.shape == want.shape, name
-        assert relative_error(got, want) <= TOL, f"{name}: {relative_error(got, want):.3g}"
-    assert torch.count_nonzero(da[1]) == torch.count_nonzero(db[1]) == 0  # an expert without rows
+    xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    lr = lora.map(lambda t: t.double().requires_grad_(True))
+    ref = dense_reference(base, xr, ids, wr, lr)
+    ref_grads = torch.autograd.grad(ref, [xr, wr, *lr.tensors()], grad_y.double())
+    without_lora = dense_reference(base, x.double(), ids, w.double())
+    assert relative_error(without_lora, ref) > 0.9  # the LoRA terms are what this layer computes
+
+    assert relative_error(y, ref) <= TOL_OUT, relative_error(y, ref)
+    for name, got, want in zip(("grad_x", "grad_w", "gate_up_a", "gate_up_b", "down_a", "down_b"),
+                               (gx, gw, *grads.tensors()), ref_grads):
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        assert relative_error(got, want) <= TOL_GRAD, f"{name}: {relative_error(got, want):.3g}"
+    for g in grads.tensors():  # the expert without rows gets exactly zero
+        assert torch.count_nonzero(g[E - 1]) == 0

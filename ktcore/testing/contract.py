@@ -237,3 +237,19 @@ class ExpertBackendContract:
         b_early = [backend.backward(p, ctx, grad_y, lw[4]) for p, (_, ctx), lw in zip(packs, first, layers)]
         for g1, g2 in zip(b_early, b_late):
             torch.testing.assert_close(g1[0], g2[0], rtol=0, atol=0)
+
+    def test_same_inputs_give_the_same_bits(self):
+        """Two calls on the same inputs: identical outputs and gradients, expert LoRA's included. A backend that adds
+        up partial sums (of LoRA gradients, say) in the order its threads happen to finish fails this."""
+        backend = self.make_backend()
+        weights, x, ids, w, lora = self.problem(Case(4, 64, 48, 160, 2, rank=8, label="busy-experts"))
+        grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(self.input_dtype)
+        packed = backend.pack(weights, self.activation)
+        runs = []
+        for _ in range(2):
+            y, ctx = backend.forward(packed, x, ids, w, lora, save=True)
+            gx, gw, lg = backend.backward(packed, ctx, grad_y, lora)
+            runs.append([y, gx, gw, *(t for t in lg.tensors() if t is not None)])
+        assert len(runs[0]) == 7
+        for first, second in zip(*runs):
+            torch.testing.assert_close(second, first, rtol=0, atol=0)

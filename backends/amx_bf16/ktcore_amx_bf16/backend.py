@@ -3,8 +3,10 @@
 Tensors cross into C++ as addresses (``data_ptr()``) and sizes only. Per call C++ sorts the routing by expert
 (a stable counting sort), gathers the rows as bf16 straight into AMX tile order, runs gate+up in one pass with
 the SiLU(gate)*up epilogue, the down projection, and combines with the routing weights in fp32. Backward derives
-the transposed weight tiles per task from the packed weights (nothing transposed stays resident). Expert
-LoRA is applied in fp32 with small per-expert torch matmuls between the C++ phases.
+the transposed weight tiles per task from the packed weights (nothing transposed stays resident). Expert LoRA runs
+in the same C++ phases on the same thread pool (ktcore/include/ktcore/expert_lora.hpp): a per-expert prologue
+projects the rows onto the rank, each output block adds its LoRA term in its epilogue, and the backward tasks
+accumulate the LoRA gradients per expert in row order.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Optional
 import torch
 
 from ktcore.experts import hugepages
-from ktcore.experts.lora_math import has_down, has_gate_up, lora_backward, lora_forward
+from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 
@@ -79,13 +81,15 @@ class _Route:
 
 @dataclass
 class AMXSaved:
-    x: torch.Tensor
+    x: torch.Tensor  # [T, H] fp32 or bf16, contiguous: the token rows
     route: _Route
     g: torch.Tensor  # fp32 [R, I] gate pre-activation (LoRA included)
     u: torch.Tensor  # fp32 [R, I]
     h: torch.Tensor  # bf16 [R+slack, Ip]  silu(g) * u as the down projection saw it
+    ax: Optional[torch.Tensor]  # fp32 [R, r]: A x of the gate_up LoRA (None without it)
+    ah: Optional[torch.Tensor]  # fp32 [R, r]: A h of the down LoRA
     w_dtype: torch.dtype
-    lease: Lease  # owns g, u and h: they go back to the backend's pool with this context
+    lease: Lease  # owns g, u, h, ax and ah: they go back to the backend's pool with this context
 
 
 def _ld(n: int) -> int:
@@ -110,16 +114,21 @@ class _Prof:
             self.t = now
 
 
-def _addr(t: Optional[torch.Tensor]) -> int:
+def _addr(t) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [T, H] as the kernels read token rows: fp32 or bf16, contiguous."""
+    return (t if t.dtype in (torch.float32, torch.bfloat16) else t.float()).contiguous()
 
 
 class _Workspace(threading.local):
     """Per-thread scratch buffers that live only within one forward or backward call, kept between calls.
 
-    A fresh large tensor is mmapped and page-faulted in on every call (on the development host 26 ms to allocate
-    and fill 32 MiB, 3.4 ms to refill a kept one), which costs as much as whole kernel phases. Buffers grow to the
-    largest call seen and are never handed out of the call that asked for them."""
+    A fresh large tensor is mmapped and page-faulted in on every call, which costs as much as whole kernel phases
+    (benchmarks/RESULTS.md). Buffers grow to the largest call seen and are never handed out of the call that asked
+    for them."""
 
     def __init__(self):
         self.buffers: dict = {}
@@ -204,11 +213,8 @@ class AMXBF16Backend(ExpertBackendBase):
         return _Route(T, K, R, offsets, padded, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
 
     def _gather(self, src: torch.Tensor, route: _Route, hp: int) -> torch.Tensor:
-        """The routed rows of src as bf16 in the tiled A layout (kernels.hpp ALayout::tiles), hp columns
-        (a workspace buffer: valid until the next gather on this thread)."""
-        if src.dtype not in (torch.float32, torch.bfloat16):
-            src = src.float()
-        src = src.contiguous()
+        """The routed rows of src (``_token_rows``) as bf16 in the tiled A layout (kernels.hpp ALayout::tiles), hp
+        columns (a workspace buffer: valid until the next gather on this thread)."""
         out = self._ws.get("rows", (route.padded_rows, hp), torch.bfloat16)
         self._engine.gather(src.data_ptr(), src.dtype == torch.bfloat16, src.shape[1], src.shape[1], hp,
                             route.offsets.data_ptr(), route.padded.data_ptr(), len(route.offsets) - 1,
@@ -229,14 +235,13 @@ class AMXBF16Backend(ExpertBackendBase):
         eng = self._engine
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         hp, ip = packed.hidden_padded, packed.inter_padded
+        lora_gu, lora_dn = native_projections(lora, E, H, I)
         prof = _Prof()
         route = self._route(topk_ids, topk_weights, E)
         R = route.R
         prof("fwd.route")
-        lora_gu = has_gate_up(lora)
-        lora_dn = has_down(lora)
-
-        xs = self._gather(x, route, hp)
+        x_rows = _token_rows(x)
+        xs = self._gather(x_rows, route, hp)
         prof("fwd.gather")
         ldh = _ld(ip)
         lease = self._saved.lease() if save else None
@@ -247,22 +252,20 @@ class AMXBF16Backend(ExpertBackendBase):
 
         h = buffer("h", (R + _SLACK, ldh), torch.bfloat16)
         self._zero_rows(h, R)
-        g = buffer("g", (R, I), torch.float32) if save or lora_gu else None
-        u = buffer("u", (R, I), torch.float32) if save or lora_gu else None
+        g = buffer("g", (R, I), torch.float32) if save else None
+        u = buffer("u", (R, I), torch.float32) if save else None
+        ax = buffer("ax", (R, lora_gu.rank), torch.float32) if lora_gu else None
         off = route.offsets
         eng.gate_up(xs.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
-                    packed.up.data_ptr(), E, H, I, h.data_ptr(), _addr(g), _addr(u), not lora_gu, ldh)
+                    packed.up.data_ptr(), E, H, I, h.data_ptr(), _addr(g), _addr(u), ldh,
+                    lora_gu and lora_gu.native(_ext()), x_rows.data_ptr(), x_rows.dtype == torch.bfloat16,
+                    x_rows.stride(0), route.row_tok.data_ptr(), _addr(ax))
         prof("fwd.gate_up")
-        if lora_gu:
-            delta = lora_forward(x, route.row_tok, off, lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale))
-            g.add_(delta[:, :I])
-            u.add_(delta[:, I:])
-            eng.silu_mul(g.data_ptr(), u.data_ptr(), R, I, ip, h.data_ptr(), ldh)
+        ah = buffer("ah", (R, lora_dn.rank), torch.float32) if lora_dn else None
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
-        eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr(), ldh)
+        eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr(), ldh,
+                 lora_dn and lora_dn.native(_ext()), _addr(ah))
         prof("fwd.down")
-        if lora_dn:
-            parts[0].add_(lora_forward(h[:, :I], None, off, lora.down_a, lora.down_b, float(lora.down_scale)))
         out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         y = torch.empty(route.T, H, dtype=out_dtype)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
@@ -270,7 +273,7 @@ class AMXBF16Backend(ExpertBackendBase):
         prof("fwd.combine")
         if out_dtype != x.dtype:
             y = y.to(x.dtype)
-        ctx = AMXSaved(x, route, g, u, h, topk_weights.dtype, lease) if save else None
+        ctx = AMXSaved(x_rows, route, g, u, h, ax, ah, topk_weights.dtype, lease) if save else None
         return y, ctx
 
     # -- backward ------------------------------------------------------------------------------------------
@@ -283,24 +286,22 @@ class AMXBF16Backend(ExpertBackendBase):
         route = ctx.route
         R, T, K = route.R, route.T, route.K
         off = route.offsets
-        lora_gu = has_gate_up(lora)
-        lora_dn = has_down(lora)
-        grads = ExpertLoRAGrads()
+        lora_gu, lora_dn = native_projections(lora, E, H, I, off)
+        if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
+            raise ValueError("backward's expert LoRA must be the one its forward ran with")
 
         prof = _Prof()
-        gys = self._gather(grad_y, route, hp)
+        gy_rows = _token_rows(grad_y)
+        gys = self._gather(gy_rows, route, hp)
         prof("bwd.gather")
         gh = self._ws.get("gh", (R, I), torch.float32)
+        qd = self._ws.get("qd", (R, lora_dn.rank), torch.float32) if lora_dn else None
+        # gh (and the LoRA's part of it) is taken before the routing weights; bwd_act applies them
         eng.bwd_down(gys.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.down.data_ptr(), E, H, I,
-                     gh.data_ptr())
+                     gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(),
+                     gy_rows.dtype == torch.bfloat16, gy_rows.stride(0), route.row_tok.data_ptr(),
+                     route.w_row.data_ptr(), ctx.h.data_ptr(), ctx.h.shape[1], _addr(ctx.ah), _addr(qd))
         prof("bwd.down")
-        if lora_dn:
-            # gh is taken before the routing weights (bwd_act applies them), so the LoRA's input gradient is too
-            gy_rows = grad_y.float()[route.row_tok.long()]
-            gh_lora, grads.down_a, grads.down_b = lora_backward(
-                ctx.h[:, :I], None, gy_rows, off, lora.down_a, lora.down_b, float(lora.down_scale), route.w_row)
-            gh.add_(gh_lora)
-
         ggu = self._ws.get("ggu", (route.padded_rows, 2 * ip), torch.bfloat16)  # tiled like the gathered rows
         ggu32 = self._ws.get("ggu32", (R, 2 * I), torch.float32) if lora_gu else None
         grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
@@ -310,17 +311,17 @@ class AMXBF16Backend(ExpertBackendBase):
                     ctx.h.shape[1], route.order.data_ptr())
         prof("bwd.act")
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
+        qg = self._ws.get("qg", (R, lora_gu.rank), torch.float32) if lora_gu else None
         eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
-                        packed.up.data_ptr(), E, H, I, parts.data_ptr())
+                        packed.up.data_ptr(), E, H, I, parts.data_ptr(), lora_gu and lora_gu.native(_ext()),
+                        _addr(ggu32), ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
+                        route.row_tok.data_ptr(), _addr(ctx.ax), _addr(qg))
         prof("bwd.gate_up")
-        if lora_gu:
-            gx_lora, grads.gate_up_a, grads.gate_up_b = lora_backward(
-                ctx.x, route.row_tok, ggu32, off, lora.gate_up_a, lora.gate_up_b, float(lora.gate_up_scale))
-            parts[0].add_(gx_lora)
         gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
         grad_x = torch.empty(T, H, dtype=gx_dtype)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),
                     gx_dtype == torch.bfloat16)
         prof("bwd.combine")
         grad_w = grad_w.view(T, K).to(ctx.w_dtype)
+        grads = native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
         return grad_x.to(grad_y.dtype), grad_w, grads

@@ -10,7 +10,7 @@ def report(seconds: float) -> dict:
     info = cpu_info()
     if not info.amx_permission:
         return {"amx_bf16_peak_gflops": None, "amx_bf16_peak_source": info.amx_permission_reason}
-    from . import _ext
+    from .measure import amx_peak_gflops
 
-    return {"amx_bf16_peak_gflops": round(float(_ext.measure_amx_peak_gflops(seconds)), 1),
+    return {"amx_bf16_peak_gflops": round(amx_peak_gflops(seconds), 1),
             "amx_bf16_peak_source": "amx_bf16 tile loop"}

@@ -9,6 +9,8 @@
 #pragma once
 #include <cstdint>
 
+#include "ktcore/expert_lora_leaves.hpp"
+
 namespace ktamx {
 
 constexpr int kBlockElems = 512;  // 16 x 32 bf16
@@ -51,10 +53,8 @@ struct KernelTable {
   void (*axpy)(float a, const float* x, float* acc, int64_t n, int init);
   // dst[0:n] = acc (fp32 or bf16)
   void (*store_row)(const float* acc, int64_t n, void* dst, int dst_bf16);
-  // bytes -> GB/s streaming read of [p, p + nbytes) (returns a checksum to keep the reads alive)
-  double (*read_sum)(const void* p, int64_t nbytes);
-  // runs only tile dot products for iters iterations; returns FLOPs done
-  double (*tile_loop)(int64_t iters);
+  // expert LoRA's fp32 leaf routines (ktcore/expert_lora_leaves.inc)
+  ktcore::lora::Leaves lora;
 };
 
 const KernelTable* amx_kernels();

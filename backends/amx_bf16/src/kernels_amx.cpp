@@ -4,17 +4,18 @@
 #include <immintrin.h>
 
 #include "kernels.hpp"
-#include "ktcore/amx.hpp"
+#include "amx.hpp"
 
 namespace ktamx {
 namespace amxk {
 
 #include "elementwise.inc"
+#include "ktcore/expert_lora_leaves.inc"
 
 // Loaded at the start of every kernel call: another library (oneDNN inside torch, say) may have changed or
 // released this thread's tile configuration in between.
 static inline void ensure_tile_config() {
-  static const ktcore::amx::TileConfig cfg = ktcore::amx::TileConfig::uniform(8, 16, 64);
+  static const ktamx::TileConfig cfg = ktamx::TileConfig::uniform(8, 16, 64);
   _tile_loadconfig(&cfg);
 }
 
@@ -76,8 +77,7 @@ static inline void prefetch_blocks(const uint16_t* B0, const uint16_t* B1, int64
 // Each 32-row group runs the whole K with its 32 x 32 C block held in four tiles (2 A x 2 B tiles per step).
 // Tile registers are not renamed, so each operand tile of step k+1 is loaded as soon as the last product of
 // step k that reads it has been issued. A tiles are prefetched two steps ahead; B blocks eight steps ahead on
-// the first group (from DRAM), two steps ahead on later groups (from L2). On the device's Xeon (scratch
-// harness, 16 threads) this runs 1.0-1.4x the K-chunked row-major loop it replaced, most when B comes from DRAM.
+// the first group (from DRAM), two steps ahead on later groups (from L2).
 static void gemm_block(const uint16_t* A, ALayout la, int64_t m, const uint16_t* B0, const uint16_t* B1,
                        int64_t kb, float* C, int64_t ldc, int acc) {
   if (m <= 0) return;
@@ -154,8 +154,8 @@ static inline __m512i gather_lanes(const uint16_t* r, int lane) {
 // A forward block's row kp is 8 qwords; qword q = W[2q][2kp], W[2q][2kp+1], W[2q+1][2kp], W[2q+1][2kp+1].
 // Row np of the transposed block out_h (W^T rows 16h..16h+15) is qword np % 8 of forward rows 8h..8h+7 (of fa
 // for np < 8, else fb), each with its middle words swapped: an 8 x 8 qword transpose whose lane moves are done
-// by the loads (inserts from memory), leaving two shuffles per output row. The 16 x 16 dword transposes plus
-// word permutes this replaced kept the shuffle port 5-6x as busy (llvm-mca, icelake-server: 384 -> 66 cycles).
+// by the loads (inserts from memory), leaving two shuffles per output row: the shuffle port is what bounds a
+// transpose.
 static void transpose_pair(const uint16_t* fa, const uint16_t* fb, uint16_t* out0, uint16_t* out1) {
   const __m512i swap_mid = _mm512_set4_epi32(0x0F0E0B0A, 0x0D0C0908, 0x07060302, 0x05040100);
   for (int h = 0; h < 2; ++h)
@@ -223,41 +223,9 @@ static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uin
   if (two) { _tile_stored(2, C + 16 * ldc, sc); _tile_stored(3, C + 16 * ldc + 16, sc); }
 }
 
-static double read_sum(const void* p, int64_t nbytes) {
-  const char* c = static_cast<const char*>(p);
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t n = nbytes / 256;
-  for (int64_t i = 0; i < n; ++i) {
-    const char* q = c + i * 256;
-    a0 = _mm512_add_epi64(a0, _mm512_load_si512(q));
-    a1 = _mm512_add_epi64(a1, _mm512_load_si512(q + 64));
-    a2 = _mm512_add_epi64(a2, _mm512_load_si512(q + 128));
-    a3 = _mm512_add_epi64(a3, _mm512_load_si512(q + 192));
-  }
-  a0 = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
-  return static_cast<double>(_mm512_reduce_add_epi64(a0) & 0xFF);
-}
-
-static double tile_loop(int64_t iters) {
-  ensure_tile_config();
-  alignas(64) static const uint16_t zeros[512] = {};
-  _tile_loadd(4, zeros, 64); _tile_loadd(5, zeros, 64);
-  _tile_loadd(6, zeros, 64); _tile_loadd(7, zeros, 64);
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  for (int64_t i = 0; i < iters; ++i) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  alignas(64) float sink[256];
-  _tile_stored(0, sink, 64);
-  return static_cast<double>(iters) * 4.0 * 2.0 * 16 * 16 * 32;
-}
-
 static const KernelTable table = {"amx", gemm_block, transpose_pair, gemm_transposing,
                                   ew_silu_mul, ew_silu_mul_bwd, ew_row_to_bf16, ew_axpy,
-                                  ew_store_row, read_sum, tile_loop};
+                                  ew_store_row, lora_leaves};
 
 }  // namespace amxk
 

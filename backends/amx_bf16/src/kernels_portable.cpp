@@ -6,6 +6,7 @@ namespace ktamx {
 namespace portable {
 
 #include "elementwise.inc"
+#include "ktcore/expert_lora_leaves.inc"
 
 static void gemm_block(const uint16_t* A, ALayout la, int64_t m, const uint16_t* B0, const uint16_t* B1,
                        int64_t kb, float* C, int64_t ldc, int acc) {
@@ -53,18 +54,9 @@ static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uin
   gemm_block(A, la, m, slots, slots + steps * kBlockElems, steps, C, ldc, acc);
 }
 
-static double read_sum(const void* p, int64_t nbytes) {
-  const uint64_t* q = static_cast<const uint64_t*>(p);
-  uint64_t s = 0;
-  for (int64_t i = 0; i < nbytes / 8; ++i) s += q[i];
-  return static_cast<double>(s & 0xFF);
-}
-
-static double tile_loop(int64_t) { return 0.0; }
-
 static const KernelTable table = {"portable", gemm_block, transpose_pair, gemm_transposing,
                                   ew_silu_mul, ew_silu_mul_bwd, ew_row_to_bf16, ew_axpy,
-                                  ew_store_row, read_sum, tile_loop};
+                                  ew_store_row, lora_leaves};
 
 }  // namespace portable
 

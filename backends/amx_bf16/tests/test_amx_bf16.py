@@ -268,17 +268,32 @@ def test_probe_names_the_missing_cpu_features(monkeypatch, fresh_registry):
 @pytest.mark.perf
 @needs_amx
 def test_measurements():
-    assert _ext.measure_read_bandwidth(64 << 20) > 0.1
-    assert _ext.measure_amx_peak_gflops(0.05) > 1.0
+    from ktcore_amx_bf16 import measure
+
+    assert measure.read_bandwidth_gbps(64 << 20) > 0.1
+    assert measure.amx_peak_gflops(0.05) > 1.0
 
 
-def test_read_seconds_checks_its_alignment():
-    eng = _ext.Engine(2, 1, "portable")
-    buf = torch.ones(1 << 20, dtype=torch.int16)
-    assert eng.read_seconds(buf.data_ptr() // 64 * 64 + 64, 1 << 16) > 0
-    for addr, nbytes in ((buf.data_ptr() // 64 * 64 + 66, 256), (buf.data_ptr() // 64 * 64 + 64, 255)):
+def test_read_seconds_reads_the_given_memory_and_checks_its_alignment():
+    from ktcore_amx_bf16.measure import Meter
+
+    meter = Meter(2, "portable")
+    buf = torch.ones(32 << 20, dtype=torch.int16)  # 64 MiB: page-aligned
+    secs = meter.read_seconds(buf.data_ptr(), buf.nbytes)
+    assert 0 < secs < buf.nbytes / 0.1e9  # at least 0.1 GB/s
+    for addr, nbytes in ((buf.data_ptr() + 2, 256), (buf.data_ptr(), 255)):
         with pytest.raises(ValueError, match="64-byte aligned"):
-            eng.read_seconds(addr, nbytes)
+            meter.read_seconds(addr, nbytes)
+
+
+def test_the_backend_does_not_load_the_measurement_extension():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from ktcore_amx_bf16.backend import AMXBF16Backend; "
+            "from ktcore.config import KTConfig; AMXBF16Backend(KTConfig(), kernels='portable'); "
+            "print('ktcore_amx_bf16._measure' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 @pytest.mark.perf

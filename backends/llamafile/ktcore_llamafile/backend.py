@@ -7,11 +7,13 @@ quantised by :meth:`LlamafileBackend.pack` or taken as they are from a GGUF file
 
 Forward: the routed rows are sorted by expert; activations are quantised per 32 elements to int16 (one fp32
 scale per block; or int8 by ggml's Q8_0 rule, see ``activations``) and dotted against the weight blocks
-(integer dot per 32-element block -> int32, scaled in fp32); float block types (F32/F16/BF16) are dotted in fp32. SiLU(gate) * up and the routing
-weights are applied in fp32. Backward computes the transposed products (grad through down, gate and up)
+(integer dot per 32-element block -> int32, scaled in fp32); float block types (F32/F16/BF16) are dotted in fp32.
+SiLU(gate) * up and the routing weights are applied in fp32. Backward computes the transposed products (grad through down, gate and up)
 straight from the blocks, dequantising a few blocks at a time, and the routing-weight gradient from the
-saved per-expert outputs. Expert LoRA is fp32 torch math between the C++ phases; without it (SiLU, q16
-activations, quantised blocks) the whole forward is one C++ call, ``Engine.forward16``, bit for bit the phases.
+saved per-expert outputs. Expert LoRA runs in fp32 inside the same C++ tasks (ktcore/include/ktcore/expert_lora.hpp):
+a prologue per expert's rows projects them onto the rank, each output block adds its LoRA term, and the backward's
+transposed products accumulate the LoRA gradients per expert in row order. With SiLU, q16 activations and quantised
+blocks the whole forward is one C++ call, ``Engine.forward16``, bit for bit the phased calls.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ktcore.experts.lora_math import has_down, has_gate_up, lora_backward, lora_forward
+from ktcore.experts.native_lora import NativeProjection, native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 
@@ -119,8 +121,10 @@ class _Saved:
     u: torch.Tensor
     h: torch.Tensor  # act(g) * u
     out: torch.Tensor  # fp32 [R, H] expert outputs before the routing weights
+    ax: Optional[torch.Tensor]  # fp32 [R, r]: A x of the gate_up LoRA (None without it)
+    ah: Optional[torch.Tensor]  # fp32 [R, r]: A h of the down LoRA
     w_dtype: torch.dtype
-    lease: Optional[Lease] = None  # when set, owns g, u, h and out: they go back to the backend's pool with it
+    lease: Optional[Lease] = None  # when set, owns g, u, h, out, ax and ah: they go back to the backend's pool with it
 
 
 class _Acts:
@@ -146,6 +150,14 @@ class _Acts:
             xs = src if rows is None else src[rows.long()]
             self.xf = F.pad(xs, (0, kp - k)).contiguous() if kp != k else xs.contiguous()
             self.ptrs = (0, 0, 0, self.xf.data_ptr())
+
+
+def _addr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _native(proj: Optional[NativeProjection]):
+    return None if proj is None else proj.native(_ext())
 
 
 def _route_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int, with_outputs: bool = True) -> tuple:
@@ -302,76 +314,100 @@ class LlamafileBackend(ExpertBackendBase):
             cache[key] = acts
         return acts
 
-    def _matmul(self, proj: Projection, acts: _Acts, route: _Route, out: torch.Tensor) -> None:
+    def _matmul(self, proj: Projection, acts: _Acts, route: _Route, out: torch.Tensor, lora=None, lora_c0: int = 0,
+                q: Optional[torch.Tensor] = None) -> None:
+        """out = the projection of the rows (plus lora's term, B columns lora_c0.. times q, where given)."""
         b = proj.blocks
+        tail = (out.data_ptr(), out.stride(0), lora, lora_c0, _addr(q))
         if proj.quantised and acts.bits == 16:
             self._engine.matmul16(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.kp,
-                                  route.offsets.data_ptr(), b.shape[0], *acts.ptrs[:3], out.data_ptr(), out.stride(0))
+                                  route.offsets.data_ptr(), b.shape[0], *acts.ptrs[:3], *tail)
             return
         self._engine.matmul(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.kp,
-                            route.offsets.data_ptr(), b.shape[0], *acts.ptrs, out.data_ptr(), out.stride(0))
+                            route.offsets.data_ptr(), b.shape[0], *acts.ptrs, *tail)
 
-    def _matmul_t(self, proj: Projection, g: torch.Tensor, route: _Route, out: torch.Tensor) -> None:
+    def _matmul_t(self, proj: Projection, g: torch.Tensor, route: _Route, out: torch.Tensor, lora=None,
+                  q_in: Optional[torch.Tensor] = None, v_in: Optional[torch.Tensor] = None, in_rows=None,
+                  u_b: Optional[torch.Tensor] = None, b_c0: int = 0) -> None:
+        """out += g @ W per expert; with lora also its gradients (Engine.matmul_t). g must be contiguous."""
         b = proj.blocks
-        g = g.contiguous()
         self._engine.matmul_t(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.k,
                               route.offsets.data_ptr(), b.shape[0], g.data_ptr(), g.stride(0), out.data_ptr(),
-                              out.stride(0))
+                              out.stride(0), lora, _addr(q_in), _addr(v_in), 0 if v_in is None else v_in.stride(0),
+                              _addr(in_rows), _addr(u_b), b_c0)
+
+    def _lora_rank(self, lora, which: int, c0: int, n: int, src: torch.Tensor, rows, route: _Route, q: torch.Tensor,
+                   accumulate: bool = False) -> None:
+        """q (+)= A_e src_r (which 0) or B_e^T src_r (which 1, B's columns c0..c0+n) for every routed row."""
+        self._engine.lora_rank(lora, which, c0, n, src.data_ptr(), src.stride(0), _addr(rows),
+                               route.offsets.data_ptr(), len(route.offsets) - 1, q.data_ptr(), accumulate)
 
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, packed: LlamafilePacked, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA] = None,
                 save: bool = False):
         if x.dim() != 2 or x.shape[1] != packed.hidden:
             raise ValueError(f"x must be [T, {packed.hidden}], got {tuple(x.shape)}")
+        if packed.activation == "silu" and self._bits == 16 and packed.native_layer is not None:
+            return self._forward_one_call(packed, x, topk_ids, topk_weights, lora, save)
+        return self._forward_phased(packed, x, topk_ids, topk_weights, lora, save)
+
+    def _forward_phased(self, packed: LlamafilePacked, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA] = None,
+                        save: bool = False):
+        """One C++ call per phase: route, each projection (with its LoRA prologue), the activation, the combine."""
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         xf = x.detach().to(torch.float32).contiguous()
-        one_call = packed.activation == "silu" and self._bits == 16 and packed.native_layer is not None
-        if one_call and not (has_gate_up(lora) or has_down(lora)):
-            return self._forward_fused(packed, x, xf, topk_ids, topk_weights, save)
+        lora_gu, lora_dn = native_projections(lora, E, H, I)
+        gu, dn = _native(lora_gu), _native(lora_dn)
         route = self._route(topk_ids, topk_weights, E)
         R = route.R
         cache: dict = {}
         g = torch.empty(R, I, dtype=torch.float32)
         u = torch.empty(R, I, dtype=torch.float32)
-        self._matmul(packed.gate, self._acts(packed.gate, xf, route.row_tok, R, cache), route, g)
-        self._matmul(packed.up, self._acts(packed.up, xf, route.row_tok, R, cache), route, u)
+        ax = torch.empty(R, gu.rank, dtype=torch.float32) if gu else None
+        if gu:
+            self._lora_rank(gu, 0, 0, H, xf, route.row_tok, route, ax)
+        self._matmul(packed.gate, self._acts(packed.gate, xf, route.row_tok, R, cache), route, g, gu, 0, ax)
+        self._matmul(packed.up, self._acts(packed.up, xf, route.row_tok, R, cache), route, u, gu, I, ax)
         del cache
-        if has_gate_up(lora):
-            delta = lora_forward(xf, route.row_tok, route.offsets, lora.gate_up_a, lora.gate_up_b,
-                                 float(lora.gate_up_scale))
-            g.add_(delta[:, :I])
-            u.add_(delta[:, I:])
         h = self._act_mul(packed.activation, g, u)
+        ah = torch.empty(R, dn.rank, dtype=torch.float32) if dn else None
+        if dn:
+            self._lora_rank(dn, 0, 0, I, h, None, route, ah)
         out = torch.empty(R, H, dtype=torch.float32)
-        self._matmul(packed.down, self._acts(packed.down, h, None, R), route, out)
-        if has_down(lora):
-            out.add_(lora_forward(h, None, route.offsets, lora.down_a, lora.down_b, float(lora.down_scale)))
+        self._matmul(packed.down, self._acts(packed.down, h, None, R), route, out, dn, 0, ah)
         # y[t] = sum_k w * out over the token's K slots, in C++: torch's scatters (index_add_, index_put) run an
         # OpenMP team that keeps spinning on the cores afterwards and slows the kernels' pool on few cores
         y = torch.empty(route.T, H, dtype=torch.float32)
         self._engine.combine(out.data_ptr(), out.stride(0), route.w_row.data_ptr(), route.order.data_ptr(), R,
                              route.T, route.K, H, y.data_ptr(), y.stride(0))
-        ctx = _Saved(xf, route, g, u, h, out, topk_weights.dtype) if save else None
+        ctx = _Saved(xf, route, g, u, h, out, ax, ah, topk_weights.dtype) if save else None
         return y.to(x.dtype), ctx
 
-    def _forward_fused(self, packed: LlamafilePacked, x, xf, topk_ids, topk_weights, save: bool):
+    def _forward_one_call(self, packed: LlamafilePacked, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA],
+                          save: bool):
         """Engine.forward16: the same results as the phased forward, in one C++ call (one pool dispatch)."""
         T, K = topk_ids.shape
         E, H, I = packed.num_experts, packed.hidden, packed.inter
+        xf = x.detach().to(torch.float32).contiguous()
+        lora_gu, lora_dn = native_projections(lora, E, H, I)
+        gu, dn = _native(lora_gu), _native(lora_dn)
         ids, wts, *route_arrays = _route_arrays(topk_ids, topk_weights, E, with_outputs=save)
         y = torch.empty(T, H, dtype=torch.float32)
         lease = self._saved.lease() if save else None
         saved = [lease.empty((T * K, n), torch.float32) for n in (I, I, I, H)] if save else []
+        ax = lease.empty((T * K, gu.rank), torch.float32) if save and gu else None
+        ah = lease.empty((T * K, dn.rank), torch.float32) if save and dn else None
         # without save, the routing and the intermediates stay in the engine's own buffers (addresses 0)
         R = self._engine.forward16(packed.native_layer, xf.data_ptr(), xf.stride(0), T, K, ids.data_ptr(),
                                    wts.data_ptr(), *[t.data_ptr() for t in route_arrays] or [0] * 4, y.data_ptr(),
-                                   y.stride(0), *[t.data_ptr() for t in saved] or [0] * 4)
+                                   y.stride(0), *[t.data_ptr() for t in saved] or [0] * 4, gu, dn, _addr(ax),
+                                   _addr(ah))
         ctx = None
         if save:
             offsets, order, row_tok, w_row = route_arrays
             g, u, h, out = (t[:R] for t in saved)
             ctx = _Saved(xf, _Route(T, K, R, offsets, row_tok[:R], order[:R], w_row[:R]), g, u, h, out,
-                         topk_weights.dtype, lease)
+                         None if ax is None else ax[:R], None if ah is None else ah[:R], topk_weights.dtype, lease)
         return y.to(x.dtype), ctx
 
     def _act_mul(self, activation: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -386,33 +422,36 @@ class LlamafileBackend(ExpertBackendBase):
     def backward(self, packed: LlamafilePacked, ctx: _Saved, grad_y, lora: Optional[ExpertLoRA] = None):
         if ctx is None:
             raise ValueError("backward needs the context of forward(..., save=True)")
-        H, I = packed.hidden, packed.inter
+        E, H, I = packed.num_experts, packed.hidden, packed.inter
         route = ctx.route
         R, T, K = route.R, route.T, route.K
+        lora_gu, lora_dn = native_projections(lora, E, H, I, route.offsets)
+        if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
+            raise ValueError("backward's expert LoRA must be the one its forward ran with")
+        gu, dn = _native(lora_gu), _native(lora_dn)
         rows = route.row_tok.long()
-        grads = ExpertLoRAGrads()
         gy = grad_y.detach().to(torch.float32)[rows]  # [R, H]
         grad_w = torch.zeros(T * K, dtype=torch.float32)
         grad_w[route.order] = (gy * ctx.out).sum(1)
         go = gy * route.w_row.unsqueeze(1)  # gradient of each expert's output
         gh = torch.zeros(R, I, dtype=torch.float32)
-        self._matmul_t(packed.down, go, route, gh)
-        if has_down(lora):
-            gx_lora, grads.down_a, grads.down_b = lora_backward(ctx.h, None, go, route.offsets, lora.down_a,
-                                                                lora.down_b, float(lora.down_scale))
-            gh.add_(gx_lora)
+        qd = torch.empty(R, dn.rank, dtype=torch.float32) if dn else None
+        if dn:
+            self._lora_rank(dn, 1, 0, H, go, None, route, qd)
+        self._matmul_t(packed.down, go, route, gh, dn, qd, ctx.h, None, ctx.ah, 0)
         with torch.enable_grad():
             gt = ctx.g.detach().requires_grad_(True)
             act = activation_function(packed.activation)(gt)
             (dg,) = torch.autograd.grad(act, gt, gh * ctx.u)
+        dg = dg.contiguous()
         du = gh * act.detach()
         gx = torch.zeros(R, H, dtype=torch.float32)
-        self._matmul_t(packed.gate, dg, route, gx)
-        self._matmul_t(packed.up, du, route, gx)
-        if has_gate_up(lora):
-            gx_lora, grads.gate_up_a, grads.gate_up_b = lora_backward(
-                ctx.x, route.row_tok, torch.cat([dg, du], dim=1), route.offsets, lora.gate_up_a, lora.gate_up_b,
-                float(lora.gate_up_scale))
-            gx.add_(gx_lora)
+        qg = torch.empty(R, gu.rank, dtype=torch.float32) if gu else None
+        if gu:  # B_e^T [dg | du]: B's gate columns, then its up columns
+            self._lora_rank(gu, 1, 0, I, dg, None, route, qg)
+            self._lora_rank(gu, 1, I, I, du, None, route, qg, accumulate=True)
+        self._matmul_t(packed.gate, dg, route, gx, gu, qg, ctx.x, route.row_tok, ctx.ax, 0)
+        self._matmul_t(packed.up, du, route, gx, gu, None, None, None, ctx.ax, I)
         grad_x = torch.zeros(T, H, dtype=torch.float32).index_add_(0, rows, gx)
+        grads = native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
         return grad_x.to(grad_y.dtype), grad_w.view(T, K).to(ctx.w_dtype), grads

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "ktcore/expert_lora_leaves.hpp"
+
 namespace ktl {
 
 // One weight row expanded for the int16 kernels: w int16 [kp] in element order; per 32-element chunk c the
@@ -53,6 +55,8 @@ struct Kernels {
                 int64_t ldq, const float* xd, const float* xm, int64_t lds, float* out, int64_t ldo_t);
   // y[i] = fma(a, x[i], y[i])
   void (*axpy)(float a, const float* x, float* y, int n);
+  // expert LoRA's fp32 leaf routines (ktcore/expert_lora_leaves.inc): the same bits on every ISA
+  ktcore::lora::Leaves lora;
 };
 
 const Kernels& scalar_kernels();

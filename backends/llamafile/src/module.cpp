@@ -10,10 +10,13 @@
 //   Engine.route(...)                          the routed slots sorted by expert (offsets, order, token, weight)
 //   Engine.combine(...)                        y[t] = sum_k w * out[row of slot (t, k)] (the forward's last step)
 //   Engine.matmul_t(...)                       out[r, :] += sum_n g[r, n] * W_e[n, :]  (transposed, from the blocks)
+//   Engine.lora_rank(...)                      expert LoRA's prologue q_r = F_e src_r (ktcore/expert_lora.hpp); the
+//                                              matmuls, forward16 and matmul_t take a LoraProjection for the rest
 //   dequantize / quantize / type_info          block helpers (tests, pack, ktcore convert)
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -21,9 +24,12 @@
 
 #include "blocks.hpp"
 #include "kernels.hpp"
+#include "ktcore/expert_lora.hpp"
+#include "ktcore/expert_lora_binding.hpp"
 #include "ktcore/thread_pool.hpp"
 
 namespace py = pybind11;
+namespace lora = ktcore::lora;
 using namespace ktl;
 
 namespace {
@@ -59,6 +65,7 @@ struct Scratch {
   std::vector<float> f;
   std::vector<int16_t> w16;
   std::vector<float> f16;
+  lora::Scratch lora;
   void need16(int64_t kp, int64_t nc8, int rows) {
     if ((int64_t)w16.size() < rows * kp) w16.resize(rows * kp);
     if ((int64_t)f16.size() < rows * 3 * nc8) f16.resize(rows * 3 * nc8);
@@ -125,7 +132,7 @@ struct Acts16Buffer {
 // forward16's working buffers
 struct Fwd16 {
   Acts16Buffer xg, xu, hq;
-  std::vector<float> g, u, h, out, w_row;
+  std::vector<float> g, u, h, out, w_row, ax, ah;
   std::vector<int64_t> offsets, order;
   std::vector<int32_t> row_tok;
   template <class V>
@@ -188,9 +195,11 @@ class Engine {
   }
 
   // matmul on q16 activations (quantize_act16): out[r, n] (ldo) for the rows r of each expert e and weight rows
-  // n < N. A task is (expert, 16 weight rows), see project16.
+  // n < N. A task is (expert, 16 weight rows), see project16. With expert LoRA (lora not null) each task adds
+  // scale * B_e[:, lora_c0 + n] . q[r] to its block (q [R, rank]: the prologue's lora_rank).
   void matmul16(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int kp, uintptr_t offsets,
-                int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t out, int64_t ldo) {
+                int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t out, int64_t ldo,
+                const lora::Projection* lora, int64_t lora_c0, uintptr_t q) {
     const Proj p = Proj::of(qtype, w, expert_stride, row_bytes, N, kp);
     if (!p.info.quantised) throw std::invalid_argument("matmul16: float block types take fp32 activations");
     const Acts16 a{P<int16_t>(xq), P<float>(xd), P<float>(xm), kp, nc8_of(kp)};
@@ -205,22 +214,27 @@ class Engine {
         if (job + 1 < njobs) prefetch_task(p, off, experts[(job + 1) / tiles], (job + 1) % tiles * tile, e);
         project16(p, e, n0, std::min(N, n0 + tile), off[e], off[e + 1] - off[e], a, P<float>(out), ldo,
                   scratch_[tid]);
+        if (lora) add_lora(*lora, lora_c0, P<float>(q), e, n0, std::min(N, n0 + tile), off, P<float>(out), ldo, tid);
       }
     });
   }
 
-  // The whole forward of a layer without expert LoRA, SiLU and q16 activations, in one call (decode pays for
-  // each pool dispatch and each Python-to-C++ call): route, quantise the routed rows of x, then one pool
-  // dispatch in two phases: (expert, 32 rows of I) tasks that run gate and up and, in their epilogue,
-  // h = silu(g) * u and h's quantisation (32 columns = one whole activation block); a barrier; (expert, 16 rows
-  // of H) tasks for down. Then the combine.
-  // Results are bit for bit those of the phased calls (route, quantize_act16, matmul16, silu_mul, combine).
-  // y [T, H] is written; the route arrays (offsets [E+1], order / row_tok / w_row [T*K]), g, u, h (fp32
-  // [T*K, I]) and out ([T*K, H], before the routing weights) only when their address is not 0 (training saves
-  // them for backward; offsets 0 means none of the route arrays). Returns R, the number of routed rows.
+  // The whole forward of a layer with SiLU and q16 activations in one call (decode pays for each pool dispatch
+  // and each Python-to-C++ call): route, quantise the routed rows of x, then one pool dispatch in phases that meet
+  // at barriers: (expert, 32 rows of I) tasks that run gate and up and, in their epilogue, h = silu(g) * u and h's
+  // quantisation (32 columns = one whole activation block); (expert, 16 rows of H) tasks for down. Then the
+  // combine. With expert LoRA (gu / dn not null, ktcore/expert_lora.hpp) a prologue phase before each projection
+  // projects its input rows onto the rank (ax = A x, ah = A h), and the tasks add scale * B q to their block before
+  // the SiLU (gate, up) or the combine (down).
+  // Results are bit for bit those of the phased calls (route, quantize_act16, lora_rank, matmul16, silu_mul,
+  // combine). y [T, H] is written; the route arrays (offsets [E+1], order / row_tok / w_row [T*K]), g, u, h (fp32
+  // [T*K, I]), out ([T*K, H], before the routing weights) and ax, ah (fp32 [T*K, rank]) only when their address is
+  // not 0 (training saves them for backward; offsets 0 means none of the route arrays). Returns R, the number of
+  // routed rows.
   int64_t forward16(const Layer& L, uintptr_t x, int64_t ldx, int64_t T, int K, uintptr_t ids, uintptr_t weights,
                     uintptr_t offsets, uintptr_t order, uintptr_t row_tok, uintptr_t w_row, uintptr_t y, int64_t ldy,
-                    uintptr_t g_save, uintptr_t u_save, uintptr_t h_save, uintptr_t out_save) {
+                    uintptr_t g_save, uintptr_t u_save, uintptr_t h_save, uintptr_t out_save,
+                    const lora::Projection* gu, const lora::Projection* dn, uintptr_t ax_save, uintptr_t ah_save) {
     const int E = L.E, H = L.H, I = L.I;
     Fwd16& f = fwd_;
     if (!offsets) {  // inference: the routing stays in the engine's buffers
@@ -243,16 +257,31 @@ class Engine {
     float* u = P<float>(u_save ? u_save : f.grow(f.u, R * I));
     float* h = P<float>(h_save ? h_save : f.grow(f.h, R * I));
     float* out = P<float>(out_save ? out_save : f.grow(f.out, R * H));
+    float* ax = gu ? P<float>(ax_save ? ax_save : f.grow(f.ax, R * gu->rank)) : nullptr;
+    float* ah = dn ? P<float>(ah_save ? ah_save : f.grow(f.ah, R * dn->rank)) : nullptr;
     f.hq.resize(R, L.down.kp);
     f.hq.zero_columns_from((I + 31) / 32 * 32);  // down's padding columns (and scale chunks) past I
     const Acts16& hq = f.hq.acts;
     const std::vector<int> experts = busy_experts(off, E);
-    // phase 1: (expert, 32 rows of I) tasks; phase 2: (expert, 16 rows of H) tasks
+    const std::vector<std::array<int64_t, 3>> lora_rows = gu || dn ? lora::rank_tasks(off, E) : decltype(lora_rows)();
+    // gate/up: (expert, 32 rows of I) tasks; down: (expert, 16 rows of H) tasks
     const int64_t tiles1 = (I + 31) / 32, tiles2 = (H + 15) / 16;
     const int64_t njobs1 = (int64_t)experts.size() * tiles1, njobs2 = (int64_t)experts.size() * tiles2;
     const int nth = pool_.num_threads();
-    ktcore::WorkSplit gate_up(njobs1, nth), down(njobs2, nth);
+    const int64_t nlora_gu = gu ? (int64_t)lora_rows.size() : 0, nlora_dn = dn ? (int64_t)lora_rows.size() : 0;
+    ktcore::WorkSplit gate_up(njobs1, nth), down(njobs2, nth), rank_x(nlora_gu, nth), rank_h(nlora_dn, nth);
+    auto rank = [&](const lora::Projection& p, const float* src, int64_t n, int64_t lds, const int32_t* rows,
+                    float* q, int64_t i, int tid) {
+      const auto& t = lora_rows[i];
+      lora::rank_rows(k_.lora, p.a, p.rank, t[0], 0, n, src, false, lds, rows, t[1], t[2], q, false,
+                      scratch_[tid].lora);
+    };
     pool_.run_each([&](int tid) {
+      if (gu) {
+        rank_x.run(tid, 1, true,
+                   [&](int64_t i, int64_t) { rank(*gu, P<float>(x), H, ldx, P<int32_t>(row_tok), ax, i, tid); });
+        pool_.barrier();  // the gate/up tasks read ax
+      }
       gate_up.run(tid, 1, true, [&](int64_t job, int64_t) {
         const int e = experts[job / tiles1];
         const int n0 = (int)(job % tiles1) * 32, n1 = std::min(I, n0 + 32);
@@ -260,6 +289,10 @@ class Engine {
         if (job + 1 < njobs1) prefetch_task(L.gate, off, experts[(job + 1) / tiles1], (job + 1) % tiles1 * 32, e);
         project16(L.gate, e, n0, n1, r0, nt, f.xg.acts, g, I, scratch_[tid]);
         project16(L.up, e, n0, n1, r0, nt, *xu, u, I, scratch_[tid]);
+        if (gu) {
+          add_lora(*gu, 0, ax, e, n0, n1, off, g, I, tid);
+          add_lora(*gu, I, ax, e, n0, n1, off, u, I, tid);
+        }
         for (int64_t r = r0; r < r0 + nt; ++r) {
           silu_mul_range(g + r * I + n0, u + r * I + n0, n1 - n0, h + r * I + n0);
           const int c = n0 / 32;  // one activation block of h's row
@@ -267,12 +300,17 @@ class Engine {
                      hq.m + r * hq.nc8 + c);
         }
       });
-      pool_.barrier();  // down reads every row of h
+      pool_.barrier();  // down (and its LoRA prologue) reads every row of h
+      if (dn) {
+        rank_h.run(tid, 1, true, [&](int64_t i, int64_t) { rank(*dn, h, I, I, nullptr, ah, i, tid); });
+        pool_.barrier();  // the down tasks read ah
+      }
       down.run(tid, 1, true, [&](int64_t job, int64_t) {
         const int e = experts[job / tiles2];
-        const int n0 = (int)(job % tiles2) * 16;
+        const int n0 = (int)(job % tiles2) * 16, n1 = std::min(H, n0 + 16);
         if (job + 1 < njobs2) prefetch_task(L.down, off, experts[(job + 1) / tiles2], (job + 1) % tiles2 * 16, e);
-        project16(L.down, e, n0, std::min(H, n0 + 16), off[e], off[e + 1] - off[e], hq, out, H, scratch_[tid]);
+        project16(L.down, e, n0, n1, off[e], off[e + 1] - off[e], hq, out, H, scratch_[tid]);
+        if (dn) add_lora(*dn, 0, ah, e, n0, n1, off, out, H, tid);
       });
     });
     combine(reinterpret_cast<uintptr_t>(out), H, w_row, order, R, T, K, H, y, ldy);
@@ -280,9 +318,11 @@ class Engine {
   }
 
   // out[r, n] (ldo) for the rows r in [off[e], off[e+1]) and weight rows n < N of expert e. Quantised types
-  // read int8 activations (xq, xd, xm; quantize_act, row width kp), float types xf (fp32 [R, kp]).
+  // read int8 activations (xq, xd, xm; quantize_act, row width kp), float types xf (fp32 [R, kp]). Expert LoRA as
+  // in matmul16.
   void matmul(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int kp, uintptr_t offsets,
-              int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t xf, uintptr_t out, int64_t ldo) {
+              int E, uintptr_t xq, uintptr_t xd, uintptr_t xm, uintptr_t xf, uintptr_t out, int64_t ldo,
+              const lora::Projection* lora, int64_t lora_c0, uintptr_t q) {
     const TypeInfo ti = type_info(qtype);
     const int nc = kp / 32, nblocks = kp / ti.block_elems;
     const int64_t* off = P<int64_t>(offsets);
@@ -315,6 +355,7 @@ class Engine {
             k_.dot_f(wf, kp, (int)nt, P<float>(xf) + r0 * kp, kp, o, ldo);
           }
         }
+        if (lora) add_lora(*lora, lora_c0, P<float>(q), e, n0, n1, off, P<float>(out), ldo, tid);
       }
     });
   }
@@ -369,20 +410,27 @@ class Engine {
   }
 
   // out[r, 0:k] += sum_n g[r, n] * W_e[n, 0:k] for the rows of each expert: the transposed product, with each
-  // weight row dequantised block by block (a few blocks per task, never a resident dequantised copy).
+  // weight row dequantised block by block (a few blocks per task, never a resident dequantised copy). A task is
+  // (expert, 256 columns of k). With expert LoRA (lora not null, ktcore/expert_lora.hpp; g = dL/dout of the
+  // projection's columns b_c0.. of B) each task also writes the expert's dB on its share of those columns,
+  // scale * sum_r u_b[r] g_r^T (u_b: the forward's q = A in), and, where q_in is set (q_in = B g, the prologue's
+  // lora_rank), adds the input gradient scale * A_e^T q_in to its columns of out and writes the expert's dA on them,
+  // scale * sum_r q_in[r] in_r^T (in_r: row in_rows[r] of v_in, or row r where in_rows is 0; fp32, ld_in apart).
   void matmul_t(int qtype, uintptr_t w, int64_t expert_stride, int64_t row_bytes, int N, int k, uintptr_t offsets,
-                int E, uintptr_t g, int64_t ldg, uintptr_t out, int64_t ldo) {
+                int E, uintptr_t g, int64_t ldg, uintptr_t out, int64_t ldo, const lora::Projection* lora,
+                uintptr_t q_in, uintptr_t v_in, int64_t ld_in, uintptr_t in_rows, uintptr_t u_b, int64_t b_c0) {
     const TypeInfo ti = type_info(qtype);
     const int64_t* off = P<int64_t>(offsets);
     const int nblocks = (k + ti.block_elems - 1) / ti.block_elems;
     const int per = std::max(1, 256 / ti.block_elems);  // blocks per task (256 columns)
     const int64_t chunks = (nblocks + per - 1) / per;
     const std::vector<int> experts = busy_experts(off, E);
-    pool_.parallel_for((int64_t)experts.size() * chunks, [&](int64_t b, int64_t end, int) {
+    pool_.parallel_for((int64_t)experts.size() * chunks, [&](int64_t b, int64_t end, int tid) {
       float buf[256];
       for (int64_t job = b; job < end; ++job) {
         const int e = experts[job / chunks];
-        const int b0 = (int)(job % chunks) * per, b1 = std::min(nblocks, b0 + per);
+        const int64_t chunk = job % chunks;
+        const int b0 = (int)chunk * per, b1 = std::min(nblocks, b0 + per);
         const int c0 = b0 * ti.block_elems, c1 = std::min(k, b1 * ti.block_elems);
         const int64_t r0 = off[e], r1 = off[e + 1];
         const uint8_t* we = P<uint8_t>(w) + e * expert_stride;
@@ -395,11 +443,43 @@ class Engine {
             if (gv != 0.f) k_.axpy(gv, buf, P<float>(out) + r * ldo + c0, c1 - c0);
           }
         }
+        if (!lora) continue;
+        lora::Scratch& ls = scratch_[tid].lora;
+        const int rank = lora->rank;
+        if (q_in) {
+          const float* q = P<float>(q_in);
+          lora::expand_rows(k_.lora, lora->a, rank, lora->scale, e, c0, c1 - c0, q, r0, r1 - r0,
+                            P<float>(out) + r0 * ldo + c0, ldo, ls);
+          lora::grad_columns(k_.lora, lora->grad_a, rank, lora->scale, e, c0, c1 - c0, q, nullptr, P<float>(v_in) + c0,
+                             false, ld_in, P<int32_t>(in_rows), r0, r1, ls);
+        }
+        const int64_t n0 = N * chunk / chunks, n1 = N * (chunk + 1) / chunks;
+        lora::grad_columns(k_.lora, lora->grad_b, rank, lora->scale, e, b_c0 + n0, n1 - n0, P<float>(u_b), nullptr,
+                           P<float>(g) + n0, false, ldg, nullptr, r0, r1, ls);
       }
     });
   }
 
+  // Expert LoRA's prologue: q[r] (+)= F_e[:, c0:c0+n] . src_r for every row r of every expert (rank-major F: the
+  // projection's A where which is 0, its B where 1); src_r is row rows[r] (rows 0: row r) of src, fp32, lds apart.
+  void lora_rank(const lora::Projection& p, int which, int64_t c0, int64_t n, uintptr_t src, int64_t lds,
+                 uintptr_t rows, uintptr_t offsets, int E, uintptr_t q, bool accumulate) {
+    const std::vector<std::array<int64_t, 3>> tasks = lora::rank_tasks(P<int64_t>(offsets), E);
+    pool_.parallel_for((int64_t)tasks.size(), [&](int64_t b, int64_t end, int tid) {
+      for (int64_t i = b; i < end; ++i)
+        lora::rank_rows(k_.lora, which ? p.b : p.a, p.rank, tasks[i][0], c0, n, P<float>(src), false, lds,
+                        P<int32_t>(rows), tasks[i][1], tasks[i][2], P<float>(q), accumulate, scratch_[tid].lora);
+    });
+  }
+
  private:
+  // out[r * ldo + n] += scale * B_e[:, c0 + n] . q[r] for the rows r of expert e and columns n0 <= n < n1
+  void add_lora(const lora::Projection& p, int64_t c0, const float* q, int e, int n0, int n1, const int64_t* off,
+                float* out, int64_t ldo, int tid) {
+    lora::expand_rows(k_.lora, p.b, p.rank, p.scale, e, c0 + n0, n1 - n0, q, off[e], off[e + 1] - off[e],
+                      out + off[e] * ldo + n0, ldo, scratch_[tid].lora);
+  }
+
   static void silu_mul_range(const float* g, const float* u, int64_t n, float* h) {
     for (int64_t i = 0; i < n; ++i) h[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
@@ -482,6 +562,7 @@ PYBIND11_MODULE(_ext, m) {
   });
   m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>());
   m.def("quantize", &quantize, py::call_guard<py::gil_scoped_release>());
+  ktcore::lora::bind_projection(m);
   py::class_<Layer>(m, "Layer")
       .def(py::init([](py::tuple gate, py::tuple up, py::tuple down, int E, int H, int I) {
              // each projection: (qtype, address, expert_stride, row_bytes, rows, kp)
@@ -508,5 +589,6 @@ PYBIND11_MODULE(_ext, m) {
       .def("combine", &Engine::combine, py::call_guard<py::gil_scoped_release>())
       .def("silu_mul", &Engine::silu_mul, py::call_guard<py::gil_scoped_release>())
       .def("route", &Engine::route, py::call_guard<py::gil_scoped_release>())
-      .def("matmul_t", &Engine::matmul_t, py::call_guard<py::gil_scoped_release>());
+      .def("matmul_t", &Engine::matmul_t, py::call_guard<py::gil_scoped_release>())
+      .def("lora_rank", &Engine::lora_rank, py::call_guard<py::gil_scoped_release>());
 }

@@ -228,9 +228,10 @@ def test_in_place_row_kernels_match_scalar_on_raw_blocks(fmt, activations):
 @pytest.mark.parametrize("isa", ["scalar", "auto"])
 @pytest.mark.parametrize("types", [("q4_k",) * 3, ("q8_0",) * 3, ("q5_k", "q5_k", "q6_k"), ("q4_k", "q8_0", "q4_1")])
 def test_fused_forward_equals_phased_forward(types, isa):
-    """Without expert LoRA the forward runs as one C++ call (Engine.forward16); with LoRA it runs phase by phase
-    with torch LoRA math in between. A LoRA of zeros makes the two compute the same thing: forward, the saved
-    activations and backward must agree bit for bit, for decode (in-place row kernels) and prefill row counts."""
+    """With SiLU, q16 activations and quantised blocks the forward runs as one C++ call (Engine.forward16); the
+    other configurations run phase by phase (a C++ call per projection, each with its expert LoRA). The two must
+    agree bit for bit, with expert LoRA and without: forward, the saved activations and backward, for decode
+    (in-place row kernels) and prefill row counts."""
     from ktcore.experts import ExpertLoRA
     from ktcore_llamafile.backend import LlamafileBackend
 
@@ -247,18 +248,27 @@ def test_fused_forward_equals_phased_forward(types, isa):
     be = LlamafileBackend(KTConfig(kt_num_threads=2), isa=isa)
     packed = be.pack_blocks(raw(I, H, types[0]), raw(I, H, types[1]), raw(H, I, types[2]), types, H, I)
     assert packed.native_layer is not None
-    zero = ExpertLoRA(torch.zeros(E, 2, H), torch.zeros(E, 2 * I, 2), torch.zeros(E, 2, I), torch.zeros(E, H, 2))
+    r = 3
+    lora = ExpertLoRA(torch.randn(E, r, H, generator=g) * H ** -0.5, torch.randn(E, 2 * I, r, generator=g) * 0.1,
+                      torch.randn(E, r, I, generator=g) * I ** -0.5, torch.randn(E, H, r, generator=g) * 0.1, 0.5, 2.0)
     for T in (1, 3, 40):
         x = torch.randn(T, H, generator=g)
         ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
         ids[0, 1] = -1  # a dropped slot
         w = torch.rand(T, K, generator=g)
-        fused, ctx_f = be.forward(packed, x, ids, w, save=True)
-        phased, ctx_p = be.forward(packed, x, ids, w, zero, save=True)
-        torch.testing.assert_close(fused, phased, rtol=0, atol=0)
-        torch.testing.assert_close(be.forward(packed, x, ids, w)[0], fused, rtol=0, atol=0)  # without saving
-        for name in ("g", "u", "h", "out"):
-            torch.testing.assert_close(getattr(ctx_f, name), getattr(ctx_p, name), rtol=0, atol=0)
         gy = torch.randn(T, H, generator=g)
-        for a, b in zip(be.backward(packed, ctx_f, gy)[:2], be.backward(packed, ctx_p, gy)[:2]):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for ad in (None, lora):
+            fused, ctx_f = be.forward(packed, x, ids, w, ad, save=True)
+            phased, ctx_p = be._forward_phased(packed, x, ids, w, ad, save=True)
+            torch.testing.assert_close(fused, phased, rtol=0, atol=0)
+            torch.testing.assert_close(be.forward(packed, x, ids, w, ad)[0], fused, rtol=0, atol=0)  # no saving
+            for name in ("g", "u", "h", "out", "ax", "ah"):
+                a, b = getattr(ctx_f, name), getattr(ctx_p, name)
+                assert (a is None) == (b is None) == (ad is None and name in ("ax", "ah")), name
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=0, atol=0)
+            gf, gp = be.backward(packed, ctx_f, gy, ad), be.backward(packed, ctx_p, gy, ad)
+            for a, b in zip(gf[:2] + gf[2].tensors(), gp[:2] + gp[2].tensors()):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,4 +1,4 @@
-// ktcore shared C++: AMX detection, tile-data permission and the tile configuration block.
+// AMX detection, tile-data permission and the tile configuration block.
 // Nothing here executes an AMX instruction; this header is safe to compile without -mamx-* flags.
 #pragma once
 
@@ -16,8 +16,7 @@
 #define KTCORE_AMX_POSSIBLE 0
 #endif
 
-namespace ktcore {
-namespace amx {
+namespace ktamx {
 
 constexpr int kArchGetXcompPerm = 0x1022;
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -95,5 +94,4 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "tile config must be 64 bytes");
 
-}  // namespace amx
-}  // namespace ktcore
+}  // namespace ktamx

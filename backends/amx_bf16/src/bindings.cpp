@@ -1,0 +1,36 @@
+// ktcore_amx_bf16._ext: the Python binding of the engine (engine.hpp). Baseline-compiled: importing it and
+// asking amx_unavailable_reason() is safe on any x86-64 CPU.
+#include <pybind11/pybind11.h>
+
+#include "engine.hpp"
+#include "ktcore/expert_lora_binding.hpp"
+#include "select.hpp"
+
+namespace py = pybind11;
+using ktamx::Engine;
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "amx_bf16 expert kernels (AMX BF16 tiles + AVX-512); no libtorch";
+  m.def("amx_unavailable_reason", [] { return ktamx::amx_ready(); },
+        "'' when this process may use AMX (CPUID + arch_prctl permission), else the reason");
+
+  ktcore::lora::bind_projection(m);
+
+  using G = py::call_guard<py::gil_scoped_release>;
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<int, int, const std::string&>(), py::arg("num_threads") = 0, py::arg("num_pools") = 1,
+           py::arg("kernels") = "amx")
+      .def_property_readonly("num_threads", &Engine::num_threads)
+      .def_property_readonly("num_pools", &Engine::num_pools)
+      .def_property_readonly("kernels", &Engine::kernels)
+      .def("pack", &Engine::pack, G())
+      .def("route", &Engine::route, G())
+      .def("gather", &Engine::gather, G())
+      .def("combine", &Engine::combine, G())
+      .def("gate_up", &Engine::gate_up, G())
+      .def("down", &Engine::down, G())
+      .def("bwd_down", &Engine::bwd_down, G())
+      .def("bwd_act", &Engine::bwd_act, G())
+      .def("bwd_gate_up", &Engine::bwd_gate_up, G())
+      .def("memzero", &Engine::memzero, G());
+}

@@ -1,0 +1,89 @@
+// The amx_bf16 engine: one MoE layer's forward and backward phases over packed bf16 experts (engine.cpp).
+// Tensors arrive as raw addresses (ints from torch's data_ptr()) plus sizes; nothing here links libtorch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kernels.hpp"
+#include "ktcore/expert_lora.hpp"
+#include "scheduler.hpp"
+
+namespace ktamx {
+
+namespace lora = ktcore::lora;
+
+class Engine {
+ public:
+  // kernels: "amx" or "portable" (select.hpp); num_threads <= 0: every hardware thread
+  Engine(int num_threads, int num_pools, const std::string& kernels);
+
+  int num_threads() const { return sched_.num_threads(); }
+  int num_pools() const { return sched_.num_pools(); }
+  std::string kernels() const { return K_->name; }
+
+  // src bf16 [E, N, K] contiguous -> dst [E, rup(N,32)/16, rup(K,32)/32, 512] (kernels.hpp's block layout)
+  void pack(uintptr_t src, int64_t E, int64_t N, int64_t K, uintptr_t dst);
+
+  // Stable counting sort of the (token, slot) pairs by expert. ids int64 [T*K], w fp32 [T*K]. Outputs: offsets
+  // [E+1] and padded offsets poff [E+1] (expert e's rows start at poff[e] in the tiled buffers); for each row r
+  // (expert-major, then slot order): row_tok[r] (token), order[r] (flat slot), w_row[r]; row_of[slot] = row or
+  // -1 (no expert). Returns R.
+  int64_t route(uintptr_t ids, int64_t T, int64_t K, int64_t E, uintptr_t w, uintptr_t off, uintptr_t poff,
+                uintptr_t row_tok, uintptr_t row_of, uintptr_t order, uintptr_t w_row);
+
+  // tiled dst (Hp columns, poff[E] rows): row r = bf16(src[tok[r], 0:H]), zero padded
+  void gather(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t H, int64_t Hp, uintptr_t off,
+              uintptr_t poff, int64_t E, uintptr_t tok, uintptr_t dst);
+
+  // out[t] = sum_k wgt[t,k] * sum_p parts[p, row_of[t,k]]  (wgt null: weight 1); out fp32 or bf16
+  void combine(uintptr_t parts, int64_t nparts, int64_t R, int64_t H, uintptr_t row_of, uintptr_t wgt, int64_t T,
+               int64_t K, uintptr_t out, bool out_bf16);
+
+  // Forward. gate and up in one pass, h = bf16(silu(g) * u) in the epilogue; g/u (fp32 [R, I], LoRA included)
+  // saved when their address != 0. xs: the gathered rows, tiled (Hp columns, padded rows). With LoRA (lora not
+  // null, expert_lora.hpp): first ax[r] = A_e x_tok[r] (fp32 [R, rank]; x: the token rows, fp32 or bf16, x_stride
+  // elements apart), then each output block adds scale * B_e ax before the SiLU.
+  void gate_up(uintptr_t xs, uintptr_t off, uintptr_t poff, uintptr_t gate, uintptr_t up, int64_t E, int64_t H,
+               int64_t I, uintptr_t h, uintptr_t g, uintptr_t u, int64_t ldh, const lora::Projection* lora,
+               uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok, uintptr_t ax);
+  // parts[p, r, 0:H] = h[r] @ down_e^T restricted to pool p's slice of I. With LoRA: first ah[r] = A_e h[r] (fp32
+  // [R, rank]), then one pool per output block adds scale * B_e ah.
+  void down(uintptr_t h, uintptr_t off, uintptr_t down, int64_t E, int64_t H, int64_t I, uintptr_t parts, int64_t ldh,
+            const lora::Projection* lora, uintptr_t ah);
+
+  // Backward. gh[r, 0:I] = gys[r] @ down_e (down^T tiles derived per task from the packed down: no resident
+  // copy). gys: the gathered output gradients, tiled like xs. With LoRA: first qd[r] = B_e gy_tok[r] (fp32 [R, rank];
+  // gy: the output gradient's token rows; like gh, before the routing weights w_row), gh gets scale * A_e^T qd, and
+  // the tasks of each expert's first rows write dA = scale * sum_r w_r qd_r h_r^T and dB = scale * sum_r w_r
+  // gy_r ah_r^T (ah: the forward's).
+  void bwd_down(uintptr_t gys, uintptr_t off, uintptr_t poff, uintptr_t down, int64_t E, int64_t H, int64_t I,
+                uintptr_t gh, const lora::Projection* lora, uintptr_t gy, bool gy_bf16, int64_t gy_stride,
+                uintptr_t tok, uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t qd);
+  // per row: grad_w[order[r]] = dot(gh[r], h[r]); ggu[r] = [dL/dg | dL/du] (bf16, Ip each, tiled with padded
+  // rows like xs; padding rows zero); ggu32 fp32 [R, 2I] if set (expert LoRA needs it)
+  void bwd_act(uintptr_t gh, uintptr_t h, uintptr_t g, uintptr_t u, uintptr_t w_row, uintptr_t off, uintptr_t poff,
+               int64_t E, int64_t I, uintptr_t ggu, uintptr_t ggu32, uintptr_t grad_w, int64_t ldh, uintptr_t order);
+  // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I. With LoRA:
+  // first qg[r] = B_e ggu32[r] (fp32 [R, rank]), one pool per output block adds scale * A_e^T qg, and the tasks of
+  // each expert's first rows write dA = scale * sum_r qg_r x_r^T and dB = scale * sum_r ggu32_r ax_r^T.
+  void bwd_gate_up(uintptr_t ggu, uintptr_t off, uintptr_t poff, uintptr_t gate, uintptr_t up, int64_t E,
+                   int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora, uintptr_t ggu32, uintptr_t x,
+                   bool x_bf16, int64_t x_stride, uintptr_t tok, uintptr_t ax, uintptr_t qg);
+
+  // memset without waking torch's CPU threads
+  void memzero(uintptr_t p, int64_t nbytes);
+
+ private:
+  template <class Fill>
+  void fill_tiled(const int64_t* off, const int64_t* poff, int64_t E, int64_t cols, uint16_t* dst, Fill fill);
+  void lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int rank, int64_t n, uintptr_t src,
+                 bool src_bf16, int64_t lds, const int32_t* rows, float* q);
+  // the pool that adds the LoRA term of an output unit computed by every pool (partial sums over slices of I)
+  int lora_pool(int64_t unit) const { return static_cast<int>(unit % sched_.num_pools()); }
+
+  const KernelTable* K_;
+  Scheduler sched_;
+};
+
+}  // namespace ktamx

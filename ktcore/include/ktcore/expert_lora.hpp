@@ -1,0 +1,128 @@
+// ktcore shared C++: expert LoRA inside a native backend, computed in the tasks of its own thread pool.
+//
+// A projection with LoRA adds, for each row r routed to expert e (PEFT's layout, see ktcore/experts.py),
+//     out_r += scale * B_e (A_e in_r),        A [E, rank, in], B [E, out, rank].
+// Both factors are read rank-major, A_e as [rank, in] and B_e as [rank, out] (a Factor's strides say where each
+// element is), which makes the four products of forward and backward two operations:
+//   forward    q_r = A_e in_r                      rank_rows on A, a prologue over each expert's rows
+//              out_r[cols] += scale * B_e[:, cols]^T q_r         expand_rows on B, in each output block's epilogue
+//   backward   (g_r = dL/dout_r)
+//              p_r = B_e g_r                       rank_rows on B
+//              dL/din_r[cols] += scale * A_e[:, cols]^T p_r      expand_rows on A
+//              dA_e[:, cols] = scale * sum_r p_r x in_r[cols]    grad_columns
+//              dB_e[:, cols] = scale * sum_r q_r x g_r[cols]     grad_columns (row weights where g excludes them)
+// Every sum runs over an expert's rows in row order inside one task, so the results do not depend on the threads.
+// Arithmetic is fp32 (Leaves, from the backend's kernel table); factors and gradients are fp32 or bf16.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "ktcore/expert_lora_leaves.hpp"
+
+namespace ktcore {
+namespace lora {
+
+// One factor of every expert: element (e, rank k, column j) at p + e * s_expert + k * s_rank + j * s_col (elements).
+struct Factor {
+  uintptr_t p = 0;
+  bool bf16 = false;
+  int64_t s_expert = 0, s_rank = 0, s_col = 0;
+
+  // element (e, 0, j)
+  const void* at(int64_t e, int64_t j) const {
+    return reinterpret_cast<const char*>(p) + (e * s_expert + j * s_col) * (bf16 ? 2 : 4);
+  }
+  void* at_mut(int64_t e, int64_t j) const { return const_cast<void*>(at(e, j)); }
+};
+
+// One projection's LoRA (A, B rank-major) and where its gradients go (grad_a, grad_b: the layouts of a, b).
+struct Projection {
+  Factor a, b, grad_a, grad_b;
+  int rank = 0;
+  float scale = 1.f;
+};
+
+// A thread's fp32 scratch, grown to the largest request and kept.
+class Scratch {
+ public:
+  float* block(int64_t n) { return grow(block_, n); }
+  float* row(int64_t n) { return grow(row_, n); }
+
+ private:
+  static float* grow(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+  }
+  std::vector<float> block_, row_;
+};
+
+// Rows of one expert per task of the prologue: each task first makes an fp32 copy of the expert's factor where it is
+// bf16 or strided (rank_rows).
+constexpr int64_t kRankRows = 64;
+
+// The prologue's tasks: (expert, first row, end row), up to kRankRows rows of one expert each (off: expert offsets).
+inline std::vector<std::array<int64_t, 3>> rank_tasks(const int64_t* off, int64_t E) {
+  std::vector<std::array<int64_t, 3>> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = off[e]; r < off[e + 1]; r += kRankRows) tasks.push_back({e, r, std::min(off[e + 1], r + kRankRows)});
+  return tasks;
+}
+
+// Element (bytes) size of a fp32 or bf16 row.
+inline int64_t elem_bytes(bool bf16) { return bf16 ? 2 : 4; }
+
+// q[r * rank + k] (+)= sum over j < n of F_e[k, c0 + j] * src_r[j], rows r0 <= r < r1; src_r is row rows[r] (rows
+// null: row r) of src (lds elements apart, fp32 or bf16).
+inline void rank_rows(const Leaves& L, const Factor& f, int rank, int64_t e, int64_t c0, int64_t n, const void* src,
+                      bool src_bf16, int64_t lds, const int32_t* rows, int64_t r0, int64_t r1, float* q,
+                      bool accumulate, Scratch& s) {
+  const float* fb = static_cast<const float*>(f.at(e, c0));
+  int64_t ldf = f.s_rank;
+  if (f.bf16 || f.s_col != 1) {  // an fp32 copy with contiguous rows
+    float* b = s.block(rank * n);
+    L.block(f.at(e, c0), f.bf16, f.s_rank, f.s_col, rank, n, b, n);
+    fb = b;
+    ldf = n;
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    const char* row = static_cast<const char*>(src) + (rows ? rows[r] : r) * lds * elem_bytes(src_bf16);
+    const float* x = reinterpret_cast<const float*>(row);
+    if (src_bf16) {
+      float* t = s.row(n);
+      L.to_f32(row, 1, n, t);
+      x = t;
+    }
+    L.rank_dot(fb, ldf, rank, x, n, q + r * rank, accumulate);
+  }
+}
+
+// out[i * ldo + j] += scale * sum over k of F_e[k, c0 + j] * q[(r0 + i) * rank + k], i < m, j < nc.
+inline void expand_rows(const Leaves& L, const Factor& f, int rank, float scale, int64_t e, int64_t c0, int64_t nc,
+                        const float* q, int64_t r0, int64_t m, float* out, int64_t ldo, Scratch& s) {
+  if (nc <= 0 || m <= 0) return;
+  float* b = s.block(rank * nc);
+  L.block(f.at(e, c0), f.bf16, f.s_rank, f.s_col, rank, nc, b, nc);
+  L.expand(b, nc, rank, nc, q + r0 * rank, rank, m, scale, out, ldo);
+}
+
+// grad_e[k, c0 + j] = scale * sum over rows r0 <= r < r1, in order, of wt[r] * u[r * rank + k] * v_r[j], j < nc;
+// v_r is row rows[r] (rows null: row r) of v (ldv elements apart, fp32 or bf16); wt null: weight 1.
+inline void grad_columns(const Leaves& L, const Factor& grad, int rank, float scale, int64_t e, int64_t c0,
+                         int64_t nc, const float* u, const float* wt, const void* v, bool v_bf16, int64_t ldv,
+                         const int32_t* rows, int64_t r0, int64_t r1, Scratch& s) {
+  float* acc = s.block(rank * kCols);
+  const char* v0 = static_cast<const char*>(v) + (rows ? 0 : r0 * ldv) * elem_bytes(v_bf16);
+  for (int64_t j0 = 0; j0 < nc; j0 += kCols) {
+    const int64_t w = std::min(kCols, nc - j0);
+    std::fill(acc, acc + rank * w, 0.f);
+    L.outer(u + r0 * rank, rank, wt ? wt + r0 : nullptr, rank, v0 + j0 * elem_bytes(v_bf16), v_bf16, ldv,
+            rows ? rows + r0 : nullptr, r1 - r0, w, acc, w);
+    L.store(acc, w, scale, rank, w, grad.at_mut(e, c0 + j0), grad.bf16, grad.s_rank, grad.s_col);
+  }
+}
+
+}  // namespace lora
+}  // namespace ktcore
