@@ -1,8 +1,10 @@
-"""The reference expert backend: a per-expert loop in PyTorch on the CPU.
+"""The reference expert backend: PyTorch on the CPU.
 
 It is deliberately plain. Forward builds the math with torch autograd when activations are to be saved, and
 backward asks autograd for the gradients of that graph, so its gradients are correct by construction; other
-backends are checked against it (``ktcore.testing.ExpertBackendContract``).
+backends are checked against it (``ktcore.testing.ExpertBackendContract``). The routed rows are sorted by expert;
+the frozen projections run one matmul per expert with rows, the expert LoRA two batched matmuls per projection
+over all experts at once (rows padded to the busiest expert's count), so LoRA costs no Python loop over experts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,37 @@ class TorchPacked:
     @property
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
+
+
+class _Rows:
+    """The (token, slot) pairs routed to an expert, sorted by expert (stably): row r is slot ``slot[r]`` of token
+    ``token[r]``; ``segments`` lists (e, r0, r1) for every expert with rows."""
+
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int):
+        valid = (topk_ids >= 0) & (topk_ids < num_experts)
+        token, slot = torch.nonzero(valid, as_tuple=True)
+        expert = topk_ids[token, slot]
+        order = torch.argsort(expert, stable=True)
+        self.token, self.slot, self.expert = token[order], slot[order], expert[order]
+        counts = torch.bincount(self.expert, minlength=num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        self.segments = [(e, s, s + c) for e, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())) if c]
+        # row r's place in an [E, M] padding of the rows, M = the busiest expert's count
+        self.width = max(1, int(counts.max()))
+        self.padded_index = self.expert * self.width + (torch.arange(len(order)) - starts[self.expert])
+        self.num_experts = num_experts
+
+    def project(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``weights[e] rows[r]`` for every row r of expert e (one matmul per expert with rows)."""
+        parts = [rows[r0:r1] @ weights[e].T for e, r0, r1 in self.segments]
+        return torch.cat(parts) if parts else rows.new_zeros(0, weights.shape[1])
+
+    def lora(self, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``B[e] (A[e] rows[r])`` for every row r of expert e, as two batched matmuls over all experts."""
+        padded = rows.new_zeros(self.num_experts * self.width, rows.shape[1])
+        padded = padded.index_copy(0, self.padded_index, rows).view(self.num_experts, self.width, -1)
+        delta = torch.bmm(torch.bmm(padded, a.transpose(1, 2)), b.transpose(1, 2))
+        return delta.reshape(self.num_experts * self.width, -1)[self.padded_index]
 
 
 @dataclass
@@ -68,22 +101,17 @@ class TorchExpertBackend(ExpertBackendBase):
     def _compute(self, packed: TorchPacked, leaves, topk_ids, lora):
         x, w, gu_a, gu_b, d_a, d_b = leaves
         act = activation_function(packed.activation)
-        num_experts = packed.num_experts
         inter = packed.down.shape[2]
-        y = torch.zeros_like(x)
-        valid = (topk_ids >= 0) & (topk_ids < num_experts)
-        for e in torch.unique(topk_ids[valid]).tolist():
-            tok, pos = torch.nonzero(topk_ids == e, as_tuple=True)
-            xe = x[tok]
-            gu = xe @ packed.gate_up[e].T
-            if gu_a is not None:
-                gu = gu + lora.gate_up_scale * ((xe @ gu_a[e].T) @ gu_b[e].T)
-            h = act(gu[:, :inter]) * gu[:, inter:]
-            out = h @ packed.down[e].T
-            if d_a is not None:
-                out = out + lora.down_scale * ((h @ d_a[e].T) @ d_b[e].T)
-            y = y.index_add(0, tok, out * w[tok, pos].unsqueeze(1))
-        return y
+        rows = _Rows(topk_ids, packed.num_experts)
+        xr = x[rows.token]
+        gu = rows.project(xr, packed.gate_up)
+        if gu_a is not None:
+            gu = gu + lora.gate_up_scale * rows.lora(xr, gu_a, gu_b)
+        h = act(gu[:, :inter]) * gu[:, inter:]
+        out = rows.project(h, packed.down)
+        if d_a is not None:
+            out = out + lora.down_scale * rows.lora(h, d_a, d_b)
+        return torch.zeros_like(x).index_add(0, rows.token, out * w[rows.token, rows.slot].unsqueeze(1))
 
     def backward(self, packed: TorchPacked, ctx: _Saved, grad_y, lora: Optional[ExpertLoRA] = None):
         wanted = [t for t in ctx.inputs if t is not None]
