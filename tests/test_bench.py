@@ -18,6 +18,7 @@ def test_bench_kernels_reports_every_backend_against_torch():
     torch_row, other = data["rows"]
     assert (torch_row["backend"], other["backend"]) == ("torch", "llamafile")
     assert torch_row["tokens"] == other["tokens"] == 2
+    assert torch_row["lora_rank"] == other["lora_rank"] == 8  # expert LoRA on by default, as training runs it
     # the speed-ups are the ratios of the times in the same table
     assert other["fwd_speedup_vs_torch"] == pytest.approx(torch_row["fwd_ms"] / other["fwd_ms"])
     assert other["fwd_bwd_speedup_vs_torch"] == pytest.approx(torch_row["fwd_bwd_ms"] / other["fwd_bwd_ms"])

@@ -1,7 +1,8 @@
 """``ktcore bench kernels``: expert-layer timings of every chosen backend, as ratios measured in one run.
 
-Each row times one backend on one layer shape: forward, and forward + backward (input and routing-weight
-gradients, no LoRA), and reports GFLOP/s, the GB/s of expert weights touched, the speed-up over the torch
+Each row times one backend on one layer shape: forward, and forward + backward (input, routing-weight and expert
+LoRA gradients), with expert LoRA of rank ``lora_rank`` on gate_up and down as training runs it (0: none), and
+reports GFLOP/s (of the frozen projections), the GB/s of expert weights touched, the speed-up over the torch
 reference backend, the share of the DRAM read bandwidth and of the bf16 matrix peak measured in the same run
 (``ktcore doctor``'s probes), and the minor page faults of one steady-state forward + backward (fresh memory
 touched every step). Nothing here asserts a time; the test suite's bounds on such figures run only with
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..experts import ExpertWeights
+from ..experts import ExpertLoRA, ExpertWeights
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,9 @@ def median_time(fn, seconds: float, min_reps: int = 3, max_reps: int = 50) -> fl
     return statistics.median(times)
 
 
-def make_problem(shape: Shape, tokens: int, dtype, seed: int = 0):
+def make_problem(shape: Shape, tokens: int, dtype, seed: int = 0, lora_rank: int = 0):
+    """Random weights, inputs and routing of one layer, and expert LoRA of rank lora_rank (fp32 factors, as PEFT
+    keeps them; None for rank 0)."""
     g = torch.Generator().manual_seed(seed)
     e, k, h, i = shape.experts, shape.top_k, shape.hidden, shape.inter
     weights = ExpertWeights(*((torch.randn(*s, generator=g) * (s[2] ** -0.5)).to(dtype)
@@ -56,7 +59,13 @@ def make_problem(shape: Shape, tokens: int, dtype, seed: int = 0):
     x = torch.randn(tokens, h, generator=g).to(dtype)
     ids = torch.rand(tokens, e, generator=g).topk(k, dim=1).indices
     w = torch.softmax(torch.rand(tokens, k, generator=g), dim=1)
-    return weights, x, ids, w
+    lora = None
+    if lora_rank:
+        r = lora_rank
+        lora = ExpertLoRA(torch.randn(e, r, h, generator=g) * h ** -0.5, torch.randn(e, 2 * i, r, generator=g) * 0.01,
+                          torch.randn(e, r, i, generator=g) * i ** -0.5, torch.randn(e, h, r, generator=g) * 0.01,
+                          gate_up_scale=2.0, down_scale=2.0)
+    return weights, x, ids, w, lora
 
 
 def minor_page_faults(fn) -> int:
@@ -68,23 +77,24 @@ def minor_page_faults(fn) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-def bench_backend(backend, weights, x, ids, w, seconds: float, backward: bool) -> dict:
+def bench_backend(backend, weights, x, ids, w, seconds: float, backward: bool, lora=None) -> dict:
     packed = backend.pack(weights, activation="silu")
-    fwd = median_time(lambda: backend.forward(packed, x, ids, w, None, save=False), seconds)
+    fwd = median_time(lambda: backend.forward(packed, x, ids, w, lora, save=False), seconds)
     out = {"fwd_s": fwd, "fwd_bwd_s": None, "fwd_bwd_page_faults": None}
     if backward:
         grad_y = torch.ones_like(x)
 
         def step():
-            _, ctx = backend.forward(packed, x, ids, w, None, save=True)
-            backend.backward(packed, ctx, grad_y, None)
+            _, ctx = backend.forward(packed, x, ids, w, lora, save=True)
+            backend.backward(packed, ctx, grad_y, lora)
 
         out["fwd_bwd_s"] = median_time(step, seconds)
         out["fwd_bwd_page_faults"] = minor_page_faults(step)  # after the timed steps: the steady state
     return out
 
 
-def run(scenarios, backends: dict, dtype: str, seconds: float, backward: bool, tokens=None) -> dict:
+def run(scenarios, backends: dict, dtype: str, seconds: float, backward: bool, tokens=None, lora_rank: int = 8
+        ) -> dict:
     """backends: name -> instance (the first is the baseline). Returns {"machine": ..., "rows": [...]}."""
     from .doctor import backend_reports, measure_onednn_bf16_gflops, measure_read_bandwidth
 
@@ -99,17 +109,17 @@ def run(scenarios, backends: dict, dtype: str, seconds: float, backward: bool, t
     for key in scenarios:
         shape = SCENARIOS[key]
         for t in tokens or shape.tokens:
-            weights, x, ids, w = make_problem(shape, t, DTYPES[dtype])
+            weights, x, ids, w, lora = make_problem(shape, t, DTYPES[dtype], lora_rank=lora_rank)
             touched = int(torch.unique(ids).numel())
             nbytes = touched * 3 * shape.hidden * shape.inter * weights.gate.element_size()
             flops = 2.0 * 3 * shape.hidden * shape.inter * t * shape.top_k
             base = None
             for name, backend in backends.items():
-                r = bench_backend(backend, weights, x, ids, w, seconds, backward)
+                r = bench_backend(backend, weights, x, ids, w, seconds, backward, lora)
                 if name == baseline:
                     base = r
                 rows.append({
-                    "scenario": shape.name, "tokens": t, "backend": name,
+                    "scenario": shape.name, "tokens": t, "lora_rank": lora_rank, "backend": name,
                     "fwd_ms": r["fwd_s"] * 1e3, "fwd_gflops": flops / r["fwd_s"] / 1e9,
                     "fwd_gbps": nbytes / r["fwd_s"] / 1e9,
                     "fwd_read_time_ratio": r["fwd_s"] / (nbytes / (bandwidth * 1e9)),
@@ -135,7 +145,7 @@ def format_table(result: dict) -> str:
     if not rows:
         return head
     speed_keys = [k for k in rows[0] if k.startswith("fwd_speedup_vs_") or k.startswith("fwd_bwd_speedup_vs_")]
-    cols = ["scenario", "tokens", "backend", "fwd_ms", "fwd_gflops", "fwd_gbps", "fwd_read_time_ratio",
+    cols = ["scenario", "tokens", "lora_rank", "backend", "fwd_ms", "fwd_gflops", "fwd_gbps", "fwd_read_time_ratio",
             "fwd_pct_peak", "fwd_bwd_ms", *speed_keys, "fwd_bwd_page_faults"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:

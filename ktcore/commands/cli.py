@@ -219,20 +219,22 @@ def bench():
 @click.option("--tokens", default=None, help="comma list of token counts instead of the scenario's")
 @click.option("--seconds", default=1.0, show_default=True, help="time budget per measurement")
 @click.option("--backward/--no-backward", default=True, show_default=True, help="also time forward+backward")
+@click.option("--lora-rank", default=8, show_default=True, help="expert LoRA rank on gate_up and down (0: none)")
 @click.option("--json", "as_json", is_flag=True)
-def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, as_json):
+def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, lora_rank, as_json):
     """Expert-layer forward/backward of each backend vs the torch reference, DRAM bandwidth and bf16 peak."""
     from .bench import format_table, run
     from ..config import KTConfig
     from ..plugins.select import get_backend, resolve_backend
 
     if not backend_names:
-        choice = resolve_backend("auto", need_backward=backward)
+        choice = resolve_backend("auto", need_backward=backward, need_lora=lora_rank > 0)
         usable = [n for n, why in sorted(choice.reasons.items()) if why is None or why.startswith("usable")]
         backend_names = ["torch"] + [n for n in usable if n != "torch"]
-    backends = {name: get_backend(name, KTConfig(kt_backend=name), need_backward=backward) for name in backend_names}
+    backends = {name: get_backend(name, KTConfig(kt_backend=name), need_backward=backward, need_lora=lora_rank > 0)
+                for name in backend_names}
     token_list = tuple(int(t) for t in tokens.split(",")) if tokens else None
-    result = run(scenarios, backends, dtype, seconds, backward, token_list)
+    result = run(scenarios, backends, dtype, seconds, backward, token_list, lora_rank)
     click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
 
 
