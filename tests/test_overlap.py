@@ -157,3 +157,27 @@ def test_a_training_step_does_not_synchronise_the_device_per_layer(tmp_path):
         assert ours == [], ours
     assert counts[3] >= 1  # the profiler sees synchronisations: the test's own torch.cuda.synchronize()
     assert counts[5] == counts[3], (counts, seen)  # seen: where sync-debug mode caught them, any code
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_the_timeline_counts_the_gpu_idle_while_the_backend_computes(tmp_path):
+    """On CUDA the compute stream runs dry while the driving thread blocks on the backend's result, before it
+    can queue its wait: that time is GPU idle too. In a tiny model the GPU work per layer is a few small
+    kernels, so most of the backend's time is the GPU idling; counting only from where the wait was queued
+    gives a few copy times (about 1% of it)."""
+    tiny_model("deepseek_v2", num_hidden_layers=3).save_pretrained(tmp_path / "model")
+    model = ktcore.load_model(tmp_path / "model", {"kt_backend": "torch"}, device="cuda", dtype=torch.bfloat16,
+                              progress=False)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                                  target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"]))
+    ids = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(5)).cuda()
+    peft_model(ids, labels=ids).loss.backward()  # warm-up
+    torch.cuda.synchronize()
+    with attach(model) as timeline:
+        peft_model(ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        spent = timeline.resolve()
+    assert spent["cpu_experts_s"] > 0
+    assert spent["gpu_wait_s"] > 0.5 * spent["cpu_experts_s"], spent

@@ -312,9 +312,17 @@ class ExpertJob:
 
     def finish_forward(self, target: Optional[torch.Tensor]) -> torch.Tensor:
         """Wait for the forward and put its result into target (or a new tensor on the model's device)."""
+        idle_since = self._device_idle_mark()
         y = self._result()
-        (out,) = self.staging.to_device([y], [target], self.mark, self.timeline)
+        (out,) = self.staging.to_device([y], [target], self.mark, self.timeline, idle_since=idle_since)
         return out
+
+    def _device_idle_mark(self):
+        """With a timeline on CUDA: an event after the work queued so far, where the compute stream will run dry
+        while this thread blocks on the backend's result."""
+        if self.timeline is None or not isinstance(self.staging, CudaStaging):
+            return None
+        return self.timeline.gpu_mark(torch.cuda.current_stream(self.staging.device))
 
     def _result(self):
         start = time.perf_counter()
@@ -359,9 +367,10 @@ class ExpertJob:
 
     def finish_backward(self) -> list:
         """Wait for the backward: [grad_x, grad_topk_weights, *expert-LoRA grads] on the model's device."""
+        idle_since = self._device_idle_mark()
         grads = self._result()
         targets = self.grad_targets or [None] * len(grads)
-        out = self.staging.to_device(grads[:2], targets[:2], self.mark, self.timeline)
+        out = self.staging.to_device(grads[:2], targets[:2], self.mark, self.timeline, idle_since=idle_since)
         if any(g is not None for g in grads[2:]):
             out += self.staging.to_device(grads[2:], targets[2:], self.mark, self.timeline, "lora_copy")
         else:

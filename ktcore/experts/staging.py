@@ -39,7 +39,7 @@ class HostStaging:
         return None if t is None else t.to(dtype or t.dtype)
 
     def to_device(self, host: Sequence[Optional[torch.Tensor]], targets: Sequence[Optional[torch.Tensor]],
-                  after=None, timeline: Optional[Timeline] = None, kind: str = "copy") -> list:
+                  after=None, timeline: Optional[Timeline] = None, kind: str = "copy", idle_since=None) -> list:
         """Each host tensor copied into its target, or moved to the model's device where the target is None."""
         out = []
         for h, t in zip(host, targets):
@@ -113,9 +113,9 @@ class CudaStaging:
         return out
 
     def to_device(self, host: Sequence[Optional[torch.Tensor]], targets: Sequence[Optional[torch.Tensor]],
-                  after=None, timeline: Optional[Timeline] = None, kind: str = "copy") -> list:
+                  after=None, timeline: Optional[Timeline] = None, kind: str = "copy", idle_since=None) -> list:
         """Copy pinned ``host`` tensors into device ``targets`` (allocated before ``after``, or fresh where None);
-        the current stream waits for the copies, the host does not."""
+        the current stream waits for the copies, the host does not. ``idle_since``: see ``Timeline.gpu_wait``."""
         main = torch.cuda.current_stream(self.device)
         if any(t is None and h is not None for h, t in zip(host, targets)):
             after = None  # fresh targets are allocated now, so the side stream must follow the current one
@@ -135,7 +135,7 @@ class CudaStaging:
             done.record(side)
         if timeline:
             timeline.gpu_span(kind, start, done)
-            timeline.gpu_wait(main, done)
+            timeline.gpu_wait(main, done, idle_since)
         main.wait_event(done)
         return [t if h is not None else None for h, t in zip(host, targets)]
 

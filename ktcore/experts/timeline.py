@@ -47,9 +47,11 @@ class Timeline:
         with self._lock:
             self._spans.append((kind, start, end))
 
-    def gpu_wait(self, stream, done) -> None:
-        """The compute stream is about to wait for ``done``: the time between the two is the GPU idling."""
-        reached = self.gpu_mark(stream)
+    def gpu_wait(self, stream, done, since=None) -> None:
+        """The compute stream is about to wait for ``done``: the time between the two is the GPU idling. ``since``
+        (an event of that stream) marks where it ran out of work instead, when the host blocked on the CPU result
+        before it could queue the wait: from there the stream idled, empty, and the time since counts too."""
+        reached = since or self.gpu_mark(stream)
         with self._lock:
             self._waits.append((reached, done))
 
