@@ -102,7 +102,12 @@ class KtKernelLayer:
 
     def backward(self, gy):
         gx = torch.zeros_like(gy)
-        self.cpu.submit(self.moe.backward_task(gy.data_ptr(), gx.data_ptr(), *(g.data_ptr() for g in self.grads)))
+        for g in self.grads:  # kt-kernel adds the LoRA gradients into these buffers
+            g.zero_()
+        grad_w = torch.empty(gy.shape[0], K, dtype=torch.float32)  # the routing-weight gradient, as its SFT layer
+        # 0.7.2: the six LoRA gradients, then the routing weights', then the frozen weights' (0: LoRA only)
+        self.cpu.submit(self.moe.backward_task(gy.data_ptr(), gx.data_ptr(), *(g.data_ptr() for g in self.grads),
+                                               grad_w.data_ptr(), 0, 0, 0))
         self.cpu.sync()
         return gx, self.grads[4]
 
