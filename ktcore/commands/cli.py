@@ -220,8 +220,10 @@ def bench():
 @click.option("--seconds", default=1.0, show_default=True, help="time budget per measurement")
 @click.option("--backward/--no-backward", default=True, show_default=True, help="also time forward+backward")
 @click.option("--lora-rank", default=8, show_default=True, help="expert LoRA rank on gate_up and down (0: none)")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="rounds per figure (median reported, spread shown)")
 @click.option("--json", "as_json", is_flag=True)
-def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, lora_rank, as_json):
+def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, lora_rank, rounds, as_json):
     """Expert-layer forward/backward of each backend vs the torch reference, DRAM bandwidth and bf16 peak."""
     from .bench import format_table, run
     from ..config import KTConfig
@@ -234,7 +236,7 @@ def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, lo
     backends = {name: get_backend(name, KTConfig(kt_backend=name), need_backward=backward, need_lora=lora_rank > 0)
                 for name in backend_names}
     token_list = tuple(int(t) for t in tokens.split(",")) if tokens else None
-    result = run(scenarios, backends, dtype, seconds, backward, token_list, lora_rank)
+    result = run(scenarios, backends, dtype, seconds, backward, token_list, lora_rank, rounds)
     click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
 
 
