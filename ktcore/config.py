@@ -355,8 +355,25 @@ def translate_legacy(data: dict, where: str, base_dir: Path) -> tuple[dict, list
         kt_section.update(_translate_rule_file(rule if rule.is_absolute() else base_dir / rule, where, notes))
     for key in KT_SECTION_KEYS:  # flat kt_* keys of older files belong in kt_config
         if key in flat:
-            kt_section[key] = flat.pop(key)
+            value = flat.pop(key)
+            if key in kt_section and kt_section[key] != value:
+                raise ConfigError(f"{where}: {key}: {value!r} at the top level and {kt_section[key]!r} in kt_config "
+                                  f"disagree; keep one (kt_config.{key})")
+            kt_section[key] = value
             notes.append(f"{key} -> kt_config.{key}")
+    backend = kt_section.get("kt_backend")
+    if isinstance(backend, str) and backend.lower() in LEGACY_BACKENDS:  # KTransformers' spellings: AMXBF16 ...
+        name = LEGACY_BACKENDS[backend.lower()][0]
+        if name != backend:
+            kt_section["kt_backend"] = name
+            notes.append(f"kt_backend {backend} -> {name}")
+    if "disable_gradient_checkpointing" in flat:  # LLaMA-Factory's key: checkpointing is on unless disabled there
+        enabled = not flat.pop("disable_gradient_checkpointing")
+        if flat.get("gradient_checkpointing", enabled) != enabled:
+            raise ConfigError(f"{where}: disable_gradient_checkpointing and gradient_checkpointing disagree; "
+                              f"keep one")
+        flat["gradient_checkpointing"] = enabled
+        notes.append(f"disable_gradient_checkpointing -> gradient_checkpointing={enabled}")
     if kt_section:
         flat["kt_config"] = kt_section
     return flat, notes

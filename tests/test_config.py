@@ -390,3 +390,26 @@ def test_annotations_are_all_understood():
         ann = _resolve(f.type)
         args = typing.get_args(ann) or (ann,)
         assert set(args) <= simple, f"{f.name}: {ann}"
+
+
+@pytest.mark.parametrize("spelling, name", [("AMXBF16", "amx_bf16"), ("AMXInt8", "amx_int8"), ("amxbf16", "amx_bf16"),
+                                            ("LLAMAFILE", "llamafile")])
+def test_ktransformers_backend_spellings_are_aliases(capsys, spelling, name):
+    cfg = config_from_dict({"use_kt": True, "kt_config": {"kt_backend": spelling}})
+    assert cfg.kt.kt_backend == name
+    assert f"kt_backend {spelling} -> {name}" in capsys.readouterr().err
+
+
+def test_a_top_level_kt_key_that_disagrees_with_kt_config_is_refused():
+    with pytest.raises(ConfigError, match="kt_backend: 'torch' at the top level and 'auto' in kt_config disagree"):
+        config_from_dict({"kt_backend": "torch", "kt_config": {"kt_backend": "auto"}})
+    assert config_from_dict({"kt_backend": "torch", "kt_config": {"kt_backend": "torch"}}, quiet=True).kt.kt_backend \
+        == "torch"
+
+
+@pytest.mark.parametrize("disable, enabled", [(True, False), (False, True)])
+def test_llamafactory_disable_gradient_checkpointing_is_understood(disable, enabled):
+    cfg = config_from_dict({"disable_gradient_checkpointing": disable}, quiet=True)
+    assert cfg.gradient_checkpointing is enabled
+    with pytest.raises(ConfigError, match="disagree"):
+        config_from_dict({"disable_gradient_checkpointing": disable, "gradient_checkpointing": not enabled})
