@@ -293,6 +293,8 @@ class Format:
         checks.append(f"tensors: {len(pairs)} lora_a/lora_b pairs, every pair rank {r} with matching shapes")
 
         tmap_text = _field(reader, META + "tensor_map")
+        tmap = _tensor_map(tmap_text, path) if tmap_text is not None else None  # before the base is read
+        peft_config = _json_object(_field(reader, META + "peft_config") or "{}", path, "peft_config")
         recorded_base = _field(reader, META + "base_model")
         base_path = resolve_base(recorded_base, base)
         fingerprint = _field(reader, META + "base_fingerprint")
@@ -303,17 +305,14 @@ class Format:
                                    "fingerprint: other base model; refusing")
             checks.append(f"base model {base_path}: fingerprint matches")
         info = BaseInfo(base_path) if base_path is not None else None
-        if tmap_text is not None:
-            tmap = _tensor_map(tmap_text, path)
-        elif info is not None:
+        if tmap is None and info is not None:
             tmap = info.inverse_map()
-        else:
+        elif tmap is None:
             raise AdapterError(f"{path}: a GGUF LoRA from another tool; mapping it back needs the base model "
                                "(--base DIR)")
         unknown = sorted(set(pairs) - set(tmap))
         if unknown:
             raise AdapterError(f"{path}: tensors {unknown[:3]} match no module of the base model (other base model?)")
-        peft_config = _json_object(_field(reader, META + "peft_config") or "{}", path, "peft_config")
         return reader, pairs, tmap, float(alpha), r, arch, info, peft_config, recorded_base, checks
 
     def load(self, path, base=None) -> Adapter:
