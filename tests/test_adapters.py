@@ -227,17 +227,20 @@ def _layer99(d: Path):
     (d / MANIFEST).write_text(json.dumps(manifest))
 
 
-def _strip_offsets(d: Path):
-    """The experts file's header entries lose data_offsets (size kept, manifest rehashed)."""
-    raw = (d / FE).read_bytes()
+def strip_offsets(f: Path):
+    """A safetensors file whose header entries lose data_offsets (its size kept)."""
+    raw = f.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
     for meta in header.values():
         if isinstance(meta, dict):
             meta.pop("data_offsets", None)
-    text = json.dumps(header).encode().ljust(n)
-    (d / FE).write_bytes(raw[:8] + text + raw[8 + n:])
-    _rehash(d, FE)
+    f.write_bytes(raw[:8] + json.dumps(header).encode().ljust(n) + raw[8 + n:])
+
+
+def _strip_offsets(d: Path):
+    strip_offsets(d / FE)
+    _rehash(d, FE)  # the manifest agrees: only the header check can tell
 
 
 def _nan_fe(t):

@@ -18,6 +18,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from test_adapters import _rewrite_gguf, strip_offsets
+
 from ktcore import adapters as core
 from ktcore.commands.cli import main
 
@@ -66,16 +68,6 @@ def _json_edit(path: Path, change):
     path.write_text(json.dumps(data))
 
 
-def _strip_offsets(f: Path):
-    raw = f.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    for meta in header.values():
-        if isinstance(meta, dict):
-            meta.pop("data_offsets", None)
-    f.write_bytes(raw[:8] + json.dumps(header).encode().ljust(n) + raw[8 + n:])
-
-
 def _peft_variant(world, tmp_path, change) -> str:
     d = _copy(world, "peft", tmp_path)
     (d / "kt_integrity.json").unlink()  # as another tool writes it: only the content checks can refuse it
@@ -90,8 +82,6 @@ def _fused_variant(world, tmp_path, change) -> str:
 
 
 def _gguf_tmap_not_json(world, tmp_path) -> str:
-    from test_adapters import _rewrite_gguf
-
     out = _rewrite_gguf(world["gguf"], tmp_path / "a.gguf", meta={"ktcore.adapter.tensor_map": "{blk"},
                         drop=("ktcore.adapter.integrity",))
     return f"adapter_name_or_path={out}"
@@ -155,7 +145,7 @@ CASES = {
     "manifest files is a list": ("chat", [lambda w, t: _fused_variant(w, t, lambda d: _json_edit(
         d / "kt_adapter_manifest.json", lambda m: m.update(files=["fused_expert_lora.safetensors"])))],
         "files must be an object, got a list"),
-    "header without data_offsets": ("export", [lambda w, t: _peft_variant(w, t, lambda d: _strip_offsets(
+    "header without data_offsets": ("export", [lambda w, t: _peft_variant(w, t, lambda d: strip_offsets(
         d / "adapter_model.safetensors"))], "is not {dtype, shape, data_offsets}"),
     "tensor_map not json": ("chat", [_gguf_tmap_not_json], "tensor_map is not valid JSON"),
     "chat on a partial GGUF": ("chat", [_partial_gguf_model], "truncated"),
