@@ -63,15 +63,20 @@ def check_lora_target(cfg: TrainConfig, model_path: Path) -> None:
     from ..model.peft_expert_lora import lora_targets
     from ..model.wrap import find_arch
 
-    if model_path.is_file():
-        from ..weights.gguf_reader import GGUFFile, gguf_config
+    try:
+        if model_path.is_file():
+            from ..weights.gguf_reader import GGUFFile, gguf_config
 
-        with GGUFFile(model_path) as file:
-            hf_config = gguf_config(file)
-    else:
-        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.trust_remote_code)
+            with GGUFFile(model_path) as file:
+                hf_config = gguf_config(file)
+        else:
+            hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:  # transformers' own config errors, as one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{cfg.where}: model_name_or_path {str(model_path)!r}: cannot build the model from its "
+                          f"config ({first})") from exc
     try:
         lora_targets(meta, find_arch(hf_config), cfg.lora_target)
     except ValueError as exc:
