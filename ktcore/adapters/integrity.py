@@ -132,28 +132,19 @@ def check_contents(adapter: Adapter, where, base: Optional[Path] = None) -> list
         count += 1
     checks = [f"contents: {count} LoRA pairs with plain module names, dtypes {', '.join(DTYPES)}, finite values, "
               f"rank {adapter.r}, alpha {adapter.alpha:g}"]
-    if base is not None:
-        checks.append(check_against_base(adapter, base))
+    checks.append(check_against_base(adapter, base) if base is not None else Note(
+        f"base model {adapter.base_model!r} is not here: modules and shapes not checked against it (--base DIR)"))
     return checks
 
 
 def check_against_base(adapter: Adapter, base) -> str:
     """Every LoRA pair fits a tensor of the base model (shapes from its config, built on the meta device): a
     module or layer the base model does not have is refused."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from ..weights.loading import meta_model_of
 
     base = Path(base)
-    if base.suffix.lower() == ".gguf":
-        from ..weights.gguf_reader import GGUFFile, gguf_config
-
-        with GGUFFile(base) as file:
-            hf_config = gguf_config(file)
-    else:
-        hf_config = AutoConfig.from_pretrained(base)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    params = dict(model.named_parameters())
+    _, model = meta_model_of(base)
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head keeps its own name
     for name, a, b in adapter.tensors():
         if isinstance(name, tuple):
             module, part = name

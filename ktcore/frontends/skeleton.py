@@ -57,22 +57,12 @@ def check_backend(cfg: TrainConfig) -> None:
 def check_lora_target(cfg: TrainConfig, model_path: Path) -> None:
     """Every ``lora_target`` name is a module of the model, checked on the model built from its config on the
     meta device (config.json or the GGUF header: no weight is read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from ..model.peft_expert_lora import lora_targets
     from ..model.wrap import find_arch
+    from ..weights.loading import meta_model_of
 
     try:
-        if model_path.is_file():
-            from ..weights.gguf_reader import GGUFFile, gguf_config
-
-            with GGUFFile(model_path) as file:
-                hf_config = gguf_config(file)
-        else:
-            hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.trust_remote_code)
+        hf_config, meta = meta_model_of(model_path, cfg.trust_remote_code)
     except (OSError, ValueError) as exc:  # transformers' own config errors, as one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{cfg.where}: model_name_or_path {str(model_path)!r}: cannot build the model from its "

@@ -35,22 +35,24 @@ class Format:
         return write_peft_dir(adapter, dst)
 
     def load(self, path, base=None) -> Adapter:
-        check_sidecar(peft_files(path)[0].parent, PEFT_FILES)
-        adapter = read_peft_dir(path)
-        adapter.check()
-        return adapter
+        return self._read(path)[1]
 
     def verify(self, path, base=None) -> list[str]:
-        path = local_adapter_path(path)
-        peft_files(path)
-        record = check_sidecar(path, PEFT_FILES)
-        adapter = read_peft_dir(path)
-        adapter.check()
+        record, adapter = self._read(path)
         return [record,
                 f"{PEFT_CONFIG}: LoRA, r={adapter.r}, lora_alpha={adapter.alpha:g}, no DoRA/rsLoRA/"
                 "rank or alpha patterns",
                 f"{PEFT_WEIGHTS}: {len(adapter.linear)} linear LoRA pairs, {len(adapter.experts)} expert "
                 f"modules, every pair rank {adapter.r} with consistent shapes"]
+
+    @staticmethod
+    def _read(path):
+        """(the integrity record's check or Note, the Adapter): no pickle, then the record, then the files."""
+        cfg_file, _ = peft_files(path)
+        record = check_sidecar(cfg_file.parent, PEFT_FILES)
+        adapter = read_peft_dir(path)
+        adapter.check()
+        return record, adapter
 
 
 def _strip_base_layers(module: str) -> tuple[str, int]:
