@@ -126,6 +126,13 @@ def _config_not_json(world, tmp_path) -> str:
     return f"model_name_or_path={model}"
 
 
+def _model_without_offsets(world, tmp_path) -> str:
+    model = tmp_path / "model"
+    shutil.copytree(world["model"], model)
+    strip_offsets(model / "model.safetensors")
+    return f"model_name_or_path={model}"
+
+
 # (command, overrides: literal "KEY=VALUE"s or functions (world, tmp_path) -> "KEY=VALUE", expected in the line)
 CASES = {
     "learning_rate negative": ("train", ["learning_rate=-0.001"], "learning_rate must be > 0"),
@@ -156,6 +163,7 @@ CASES = {
         d / "adapter_model.safetensors"))], "is not {dtype, shape, data_offsets}"),
     "tensor_map not json": ("chat", [_gguf_tmap_not_json], "tensor_map is not valid JSON"),
     "chat on a partial GGUF": ("chat", [_partial_gguf_model], "truncated"),
+    "model header without data_offsets": ("chat", [_model_without_offsets], "is not {dtype, shape, data_offsets}"),
     "model config.json not JSON": ("train", [_config_not_json], "cannot build the model from its config"),
 }
 
