@@ -143,6 +143,7 @@ CASES = {
     "output_dir a file": ("train", [_output_file], "is an existing file"),
     "unknown lora_target": ("train", ["lora_target=q_proj,qq_proj"], "lora_target 'qq_proj' matches no linear"),
     "unknown backend": ("train", ["kt_config.kt_backend=nope"], "expert backend 'nope' is not available"),
+    "chat unknown backend": ("chat", ["kt_config.kt_backend=nope"], "expert backend 'nope' is not available"),
     "dataset file_name leaves dataset_dir": ("train", [_dataset_outside], "file_name: '../../../etc/passwd' leaves"),
     "train adapter is a pickle": ("train", [_pickle_adapter], "adapter_model.bin is a pickle"),
     "export adapter is a pickle": ("export", [_pickle_adapter], "adapter_model.bin is a pickle"),

@@ -18,7 +18,12 @@ def load_tokenizer(path: Path):
 
 def check_inputs(cfg: TrainConfig, path: Path) -> None:
     """Everything chat reads, checked from headers before a weight is read: a GGUF model's header and tensor
-    extents (a partial file is one line), the adapter (``ktcore adapter verify`` against the model)."""
+    extents (a partial file is one line), the expert backend, the adapter (``ktcore adapter verify`` against the
+    model)."""
+    from ..frontends.skeleton import check_backend
+
+    if cfg.use_kt:
+        check_backend(cfg, training=False)
     if path.is_file():
         from ..weights.gguf_reader import GGUFFile
 

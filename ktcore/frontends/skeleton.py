@@ -38,19 +38,20 @@ def check_model_and_adapter(cfg: TrainConfig, *, hub_ok: bool = False) -> Path:
     return model
 
 
-def check_backend(cfg: TrainConfig) -> None:
-    """``kt_backend`` names an installed backend that can train here (``auto``: one can), before the model loads."""
+def check_backend(cfg: TrainConfig, training: bool = True) -> None:
+    """``kt_backend`` names an installed backend that can run here, with backward and LoRA when ``training``
+    (``auto``: one can), before the model loads."""
     from ..errors import PluginError
     from ..plugins.select import resolve_backend
 
     kt = cfg.kt
     try:
-        choice = resolve_backend(kt.kt_backend, weight_format=kt.kt_expert_weight_format, need_backward=True,
-                                 need_lora=True)
+        choice = resolve_backend(kt.kt_backend, weight_format=kt.kt_expert_weight_format, need_backward=training,
+                                 need_lora=training)
     except PluginError as exc:
         raise ConfigError(f"{cfg.where}: kt_config.kt_backend: {exc}".replace("\n", " ")) from exc
     if choice.spec is None:
-        raise ConfigError(f"{cfg.where}: kt_config.kt_backend: auto: no installed expert backend can train here "
+        raise ConfigError(f"{cfg.where}: kt_config.kt_backend: auto: no installed expert backend can run here "
                           "(`ktcore list-backends --explain` says why)")
 
 
