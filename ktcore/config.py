@@ -274,6 +274,19 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         parse_rules(kt.kt_placement, where)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    # training values transformers would take silently (an untrained adapter, one step, a negative step size)
+    if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:
+        raise ConfigError(f"{where}: lora_alpha must be > 0, got {cfg.lora_alpha} (leave it out for 2 x lora_rank)")
+    if not cfg.learning_rate > 0:
+        raise ConfigError(f"{where}: learning_rate must be > 0, got {cfg.learning_rate}")
+    if not cfg.num_train_epochs > 0:
+        raise ConfigError(f"{where}: num_train_epochs must be > 0, got {cfg.num_train_epochs}")
+    if cfg.max_steps == 0 or cfg.max_steps < -1:
+        raise ConfigError(f"{where}: max_steps must be > 0, or -1 to train num_train_epochs; got {cfg.max_steps}")
+    if not 0.0 <= cfg.warmup_ratio <= 1.0:
+        raise ConfigError(f"{where}: warmup_ratio must be in [0, 1] (a fraction of the steps), got {cfg.warmup_ratio}")
+    if cfg.warmup_steps < 0:
+        raise ConfigError(f"{where}: warmup_steps must be >= 0, got {cfg.warmup_steps}")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise ConfigError(f"{where}: lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if not cfg.pref_beta > 0:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable
 
-from .errors import KtcoreError
+from .errors import ConfigError, KtcoreError
 
 
 def fsync_path(path) -> None:
@@ -91,3 +91,15 @@ def sha256_file(path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def inside_root(root, name, what: str) -> Path:
+    """``root / name`` when that stays inside ``root`` (after resolving ``..`` and symlinks), else a one-line
+    error naming ``what`` (the entry and the file it is in). Keeps file names read from a file (an index's
+    weight_map, a dataset_info.json file_name) from reaching outside the directory they belong to."""
+    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
+        raise ConfigError(f"{what}: {name!r} must be a relative path inside {root}; refusing")
+    path = Path(root) / name
+    if not path.resolve().is_relative_to(Path(root).resolve()):
+        raise ConfigError(f"{what}: {name!r} leaves {root}; refusing (only files inside it are read)")
+    return path

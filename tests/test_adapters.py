@@ -214,7 +214,49 @@ def _retensor(d: Path, change):
     _rehash(d, FE)
 
 
+def _layer99(d: Path):
+    """layers.99 expert LoRA added and the manifest rewritten to match: only the base model tells."""
+    from ktcore.adapters.locate import safetensors_header
+
+    state = load_file(d / FE)
+    state.update({k.replace("layers.0.", "layers.99."): v.clone() for k, v in state.items() if k.startswith("layers.0.")})
+    save_file(state, str(d / FE))
+    _rehash(d, FE)
+    manifest = json.loads((d / MANIFEST).read_text())
+    manifest["tensors"][FE] = safetensors_header(d / FE)
+    (d / MANIFEST).write_text(json.dumps(manifest))
+
+
+def strip_offsets(f: Path):
+    """A safetensors file whose header entries lose data_offsets (its size kept)."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    for meta in header.values():
+        if isinstance(meta, dict):
+            meta.pop("data_offsets", None)
+    f.write_bytes(raw[:8] + json.dumps(header).encode().ljust(n) + raw[8 + n:])
+
+
+def _strip_offsets(d: Path):
+    strip_offsets(d / FE)
+    _rehash(d, FE)  # the manifest agrees: only the header check can tell
+
+
+def _nan_fe(t):
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
 CASES = {
+    "nan, manifest rehashed": (lambda d: _retensor(d, _nan_fe), "NaN or Inf"),
+    "layers.99, manifest rewritten": (lambda d: _layer99(d), "layers.99.mlp.experts.*no such module"),
+    "experts_module not a module path": (lambda d: _edit_manifest(d, experts_module="../../etc.layers.{layer}.experts"),
+                                         "not a module path"),
+    "manifest is a list": (lambda d: (d / MANIFEST).write_text("[1, 2]"), "must be a JSON object"),
+    "files is a list": (lambda d: _edit_manifest(d, files=[FE]), "files must be an object"),
+    "header without data_offsets": (lambda d: _strip_offsets(d), "data_offsets"),
     "missing manifest": (lambda d: (d / MANIFEST).unlink(), "missing kt_adapter_manifest.json"),
     "missing file": (lambda d: (d / "non_expert_lora.safetensors").unlink(), "missing"),
     "extra file": (lambda d: (d / "notes.txt").write_text("x"), "extra file"),
@@ -285,8 +327,9 @@ def test_adapter_verify_prints_checks(good_fe, trained):
     assert "fused_expert adapter OK" in run.output
     for word in ("SHA-256", "shapes and dtypes", "r=4, alpha=8", "fingerprint matches"):
         assert word in run.output
-    run = CliRunner().invoke(main, ["adapter", "verify", str(trained / "peft")])
-    assert run.exit_code == 0 and "peft adapter OK" in run.output and "matches a base weight" in run.output
+    run = CliRunner().invoke(main, ["adapter", "verify", str(trained / "peft")])  # saved by plain PEFT
+    assert run.exit_code == 0 and "peft adapter OK" in run.output and "matches a module and weight shape" in run.output
+    assert "NOTE" in run.output and "no integrity record" in run.output
 
 
 def test_gguf_fails_closed(trained, tmp_path):
@@ -418,3 +461,236 @@ def test_convert_never_replaces_an_unrelated_directory(trained, tmp_path):
     with pytest.raises(KtcoreError, match="holds something other"):
         core.convert(trained / "peft", tmp_path / "docs", "fused_expert")
     assert (tmp_path / "docs" / "thesis.tex").read_text() == "precious"
+
+
+# ---- tamper suites: peft and gguf adapters written by ktcore, and the same files without their record -------
+
+
+def _verify_refuses(path, message, base=None):
+    """`ktcore adapter verify` and every load refuse ``path`` with one line (exit 2) matching ``message``."""
+    with pytest.raises(AdapterError, match=message):
+        core.load(path, base=base)
+    run = CliRunner().invoke(main, ["adapter", "verify", str(path)] + (["--base", str(base)] if base else []))
+    assert run.exit_code == 2, run.output
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), run.stderr
+    assert __import__("re").search(message, lines[0]), lines[0]
+
+
+@pytest.fixture(scope="module")
+def ktcore_peft(trained):
+    """A PEFT adapter directory written by ktcore (with its kt_integrity.json)."""
+    return Path(core.convert(trained / "peft", trained / "peft_by_ktcore", "peft")["dst"])
+
+
+def _restate(d: Path, change):
+    state = load_file(d / PEFT_WEIGHTS)
+    change(state)
+    save_file(state, str(d / PEFT_WEIGHTS), metadata={"format": "pt"})
+
+
+def _reconfig(d: Path, **changes):
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+Q0A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q0B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def _flip_byte(f: Path, offset_from_end=5):
+    data = bytearray(f.read_bytes())
+    data[-offset_from_end] ^= 0x40
+    f.write_bytes(bytes(data))
+
+
+def _extra_layer(state):
+    state[Q0A.replace("layers.0.", "layers.99.")] = state[Q0A].clone()
+    state[Q0B.replace("layers.0.", "layers.99.")] = state[Q0B].clone()
+
+
+def _cut_rank(d: Path):
+    _restate(d, lambda s: s.update({k: (v[:2] if ".lora_A." in k else v[:, :2]).contiguous()
+                                    for k, v in s.items() if "experts" not in k}))
+    _reconfig(d, r=2)
+
+
+def _swap_in(d: Path, other: Path):
+    mine, theirs = load_file(d / PEFT_WEIGHTS), load_file(other / PEFT_WEIGHTS)
+    mine[Q0B] = theirs[Q0B]
+    save_file(mine, str(d / PEFT_WEIGHTS), metadata={"format": "pt"})
+
+
+PEFT_TAMPER = {  # case -> (change, message); every change leaves a file plain PEFT would read
+    "flipped byte": (lambda d, o: _flip_byte(d / PEFT_WEIGHTS), "SHA-256"),
+    "alpha 8 -> 160": (lambda d, o: _reconfig(d, lora_alpha=160), "adapter_config.json: size .* kt_integrity.json"),
+    "cut rank": (lambda d, o: _cut_rank(d), "kt_integrity.json"),
+    "nan tensor": (lambda d, o: _restate(d, lambda s: s[Q0B].view(-1).__setitem__(0, float("nan"))), "SHA-256"),
+    "swapped tensor": (lambda d, o: _swap_in(d, o), "SHA-256"),
+    "extra layer 99": (lambda d, o: _restate(d, _extra_layer), "adapter_model.safetensors: size .* kt_integrity"),
+    "record not json": (lambda d, o: (d / "kt_integrity.json").write_text("{"), "not valid JSON"),
+    "record drops a file": (lambda d, o: (d / "kt_integrity.json").write_text(json.dumps(
+        {**json.loads((d / "kt_integrity.json").read_text()), "files": {}})), "does not list"),
+    "pickle only": (lambda d, o: ((d / PEFT_WEIGHTS).rename(d / "adapter_model.bin")), "pickle"),
+}
+# without the record (what another tool writes): the content checks alone refuse these
+FOREIGN_PEFT_TAMPER = {
+    "nan tensor": (lambda d, o: _restate(d, lambda s: s[Q0B].view(-1).__setitem__(0, float("nan"))), "NaN"),
+    "inf tensor": (lambda d, o: _restate(d, lambda s: s[Q0A].view(-1).__setitem__(3, float("inf"))), "NaN or Inf"),
+    "extra layer 99": (lambda d, o: _restate(d, _extra_layer), "layers.99.self_attn.q_proj.*no such module"),
+    "not a module path": (lambda d, o: _restate(d, lambda s: s.update(
+        {"base_model.model.../../etc/passwd.lora_A.weight": s.pop(Q0A),
+         "base_model.model.../../etc/passwd.lora_B.weight": s.pop(Q0B)})), "not a module path"),
+    "cut rank in config only": (lambda d, o: _reconfig(d, r=2), "does not match the base weight"),
+    "alpha negative": (lambda d, o: _reconfig(d, lora_alpha=-16), "lora_alpha must be a number > 0"),
+    "rank not a number": (lambda d, o: _reconfig(d, r="sixteen"), "r must be an integer > 0"),
+    "config not json": (lambda d, o: (d / "adapter_config.json").write_text("{r: 4"), "not valid JSON"),
+    "truncated weights": (lambda d, o: (d / PEFT_WEIGHTS).write_bytes((d / PEFT_WEIGHTS).read_bytes()[:-100]),
+                          "truncated"),
+    "base is a file": (lambda d, o: _reconfig(d, base_model_name_or_path=str(d / "adapter_config.json")), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PEFT_TAMPER))
+def test_peft_written_by_ktcore_refuses_tampering(ktcore_peft, other_peft, tmp_path, case):
+    d = tmp_path / "peft"
+    shutil.copytree(ktcore_peft, d)
+    change, message = PEFT_TAMPER[case]
+    change(d, other_peft)
+    _verify_refuses(d, message)
+
+
+@pytest.fixture(scope="module")
+def other_peft(trained):
+    """A second adapter of the same shapes (other values), to swap tensors in from."""
+    state = load_file(trained / "peft" / PEFT_WEIGHTS)
+    shutil.copytree(trained / "peft", trained / "peft_other")
+    save_file({k: v + 1 for k, v in state.items()}, str(trained / "peft_other" / PEFT_WEIGHTS),
+              metadata={"format": "pt"})
+    return trained / "peft_other"
+
+
+@pytest.mark.parametrize("case", sorted(FOREIGN_PEFT_TAMPER))
+def test_peft_without_record_is_checked_before_use(trained, other_peft, tmp_path, case):
+    d = tmp_path / "peft"
+    shutil.copytree(trained / "peft", d)  # saved by plain PEFT: no kt_integrity.json
+    change, message = FOREIGN_PEFT_TAMPER[case]
+    change(d, other_peft)
+    if message is None:  # base_model_name_or_path names a file: never read as a config, the adapter still loads
+        assert core.load(d).r == 4
+        return
+    _verify_refuses(d, message)
+
+
+def test_ktcore_peft_record_verifies_and_plain_peft_ignores_it(ktcore_peft, trained):
+    assert (ktcore_peft / "kt_integrity.json").is_file()
+    run = CliRunner().invoke(main, ["adapter", "verify", str(ktcore_peft)])
+    assert run.exit_code == 0, run.output
+    assert "kt_integrity.json: adapter_config.json, adapter_model.safetensors sizes and SHA-256 match" in run.output
+    assert "NOTE" not in run.output
+    ids = _ids(4)
+    assert relative_error(plain_logits(trained / "base", ktcore_peft, ids),
+                          plain_logits(trained / "base", trained / "peft", ids)) <= 1e-5
+
+
+# gguf: rewritten with the gguf package the way an editor would (every key and tensor copied, some changed)
+
+def _rewrite_gguf(src: Path, dst: Path, *, meta=None, tensors=None, drop=()):
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    fields = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+    fields.update(meta or {})
+    arrays = {t.name: torch.from_numpy(t.data.copy()).reshape([int(x) for x in reversed(list(t.shape))])
+              for t in reader.tensors}
+    if tensors:
+        tensors(arrays)
+    w = gguf.GGUFWriter(str(dst), fields.pop("general.architecture"))
+    for key, value in fields.items():
+        if key in drop:
+            continue
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_float32(key, float(value))
+    for name, t in arrays.items():
+        w.add_tensor(name, t.contiguous().numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ktcore_gguf(trained):
+    return Path(core.convert(trained / "peft", trained / "by_ktcore.gguf", "gguf")["dst"])
+
+
+def _tmap_edit(path, change):
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tmap = json.loads(reader.get_field("ktcore.adapter.tensor_map").contents())
+    change(tmap)
+    return {"ktcore.adapter.tensor_map": json.dumps(tmap)}
+
+
+def _remap_layer(tmap):
+    tmap["blk.0.attn_q.weight"], tmap["blk.1.attn_q.weight"] = tmap["blk.1.attn_q.weight"], tmap["blk.0.attn_q.weight"]
+
+
+def _nan(arrays):
+    arrays["blk.0.attn_q.weight.lora_b"].view(-1)[0] = float("nan")
+
+
+def _extra_blk(arrays):
+    arrays["blk.99.attn_q.weight.lora_a"] = arrays["blk.0.attn_q.weight.lora_a"].clone()
+    arrays["blk.99.attn_q.weight.lora_b"] = arrays["blk.0.attn_q.weight.lora_b"].clone()
+
+
+def _cut_gguf_rank(arrays):
+    for k in list(arrays):
+        arrays[k] = (arrays[k][..., :2, :] if k.endswith("lora_a") else arrays[k][..., :2]).contiguous()
+
+
+PASSWD = {"ktcore.adapter.tensor_map": None}  # filled per file: one module renamed ../../etc/passwd
+GGUF_TAMPER = {  # case -> (rewrite kwargs builder, message with the record, message without it)
+    "alpha 8 -> 160": (lambda p: {"meta": {"adapter.lora.alpha": 160.0}}, "metadata", None),
+    "layer remap in tensor_map": (lambda p: {"meta": _tmap_edit(p, _remap_layer)}, "metadata", None),
+    "tensor_map ../../etc/passwd": (lambda p: {"meta": _tmap_edit(p, lambda t: t.update(
+        {"blk.0.attn_q.weight": "../../etc/passwd"}))}, "metadata", "not a module path"),
+    "tensor_map not json": (lambda p: {"meta": {"ktcore.adapter.tensor_map": "{blk"}}, "metadata",
+                            "tensor_map is not valid JSON"),
+    "nan tensor": (lambda p: {"tensors": _nan}, "blk.0.attn_q.weight.lora_b.*differs", "NaN"),
+    "extra blk.99": (lambda p: {"tensors": _extra_blk}, "blk.99.*not recorded", "match no module"),
+    "cut rank": (lambda p: {"tensors": _cut_gguf_rank}, "differs", None),
+    "swapped tensor": (lambda p: {"tensors": lambda a: a.update(
+        {"blk.0.attn_q.weight.lora_b": a["blk.0.attn_q.weight.lora_b"] + 1})}, "differs", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_TAMPER))
+def test_gguf_written_by_ktcore_refuses_tampering(ktcore_gguf, trained, tmp_path, case):
+    build, with_record, without_record = GGUF_TAMPER[case]
+    _verify_refuses(_rewrite_gguf(ktcore_gguf, tmp_path / "t.gguf", **build(ktcore_gguf)), with_record)
+    foreign = _rewrite_gguf(ktcore_gguf, tmp_path / "f.gguf", **build(ktcore_gguf),
+                            drop=("ktcore.adapter.integrity",))
+    if without_record is not None:
+        _verify_refuses(foreign, without_record)
+    else:  # nothing tells these from a real adapter once the record is gone: loaded after the content checks
+        run = CliRunner().invoke(main, ["adapter", "verify", str(foreign)])
+        assert run.exit_code == 0 and "NOTE" in run.output and "no integrity record" in run.output, run.output
+
+
+def test_gguf_record_verifies_and_partial_file_is_one_line(ktcore_gguf, tmp_path):
+    run = CliRunner().invoke(main, ["adapter", "verify", str(ktcore_gguf)])
+    assert run.exit_code == 0, run.output
+    assert "ktcore.adapter.integrity matches" in run.output and "NOTE" not in run.output
+    untouched = _rewrite_gguf(ktcore_gguf, tmp_path / "same.gguf")  # a faithful copy keeps verifying
+    assert CliRunner().invoke(main, ["adapter", "verify", str(untouched)]).exit_code == 0
+    part = tmp_path / "part.gguf"
+    part.write_bytes(ktcore_gguf.read_bytes()[: ktcore_gguf.stat().st_size // 2])
+    _verify_refuses(part, "not a readable GGUF")
+    _flipped = tmp_path / "flip.gguf"
+    shutil.copy(ktcore_gguf, _flipped)
+    _flip_byte(_flipped, 9)
+    _verify_refuses(_flipped, "differs")

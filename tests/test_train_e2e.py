@@ -238,3 +238,23 @@ def test_output_dir_not_empty_is_refused(tmp_path, model_dir, generated_data, no
     (tmp_path / "out" / "keep.txt").write_text("x")
     with pytest.raises(ConfigError, match="overwrite_output_dir"):
         run_frontend("trl", load_config(_config(tmp_path, model_dir, generated_data), quiet=True))
+
+
+def test_trained_adapter_carries_its_record_and_keeps_training(tmp_path, model_dir, generated_data):
+    """`ktcore train` writes kt_integrity.json beside the adapter; `adapter verify` checks it; training on from
+    the adapter (adapter_name_or_path) loads it through the same checks; a tampered one is refused up front."""
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    first = _train(_config(tmp_path / "a", model_dir, generated_data, max_steps=2))
+    out = Path(first["output_dir"])
+    record = json.loads((out / "kt_integrity.json").read_text())
+    assert set(record["files"]) == {"adapter_config.json", "adapter_model.safetensors"}
+    run = CliRunner().invoke(main, ["adapter", "verify", str(out), "--base", str(model_dir)])
+    assert run.exit_code == 0 and "sizes and SHA-256 match" in run.output and "NOTE" not in run.output, run.output
+    second = _train(_config(tmp_path / "b", model_dir, generated_data, max_steps=2, adapter_name_or_path=str(out)))
+    assert second["steps"] == 2 and (Path(second["output_dir"]) / "kt_integrity.json").is_file()
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": cfg["lora_alpha"] * 20}))
+    result = CliRunner().invoke(main, ["train", str(_config(tmp_path / "c", model_dir, generated_data, max_steps=2,
+                                                            adapter_name_or_path=str(out))), "--frontend", "trl"])
+    assert result.exit_code == 2 and "adapter_config.json: size" in result.stderr, result.output

@@ -16,7 +16,8 @@ from pathlib import Path
 from ..plugins import get_registry
 from ..specs import AdapterFormatSpec, import_object
 from .canonical import Adapter, AdapterError
-from .locate import local_adapter_path
+from .integrity import check_contents
+from .locate import local_adapter_path, resolve_base
 
 __all__ = ["Adapter", "AdapterError", "convert", "format_names", "get_format", "known_files", "load",
            "load_adapter_into", "sniff", "verify"]
@@ -62,9 +63,17 @@ def sniff(path) -> str:
     raise AdapterError(f"{path}: claimed by several adapter formats ({', '.join(claims)})")
 
 
+def _checked(fmt, path, base=None) -> tuple[Adapter, list[str]]:
+    """The adapter ``fmt`` reads from ``path`` (its own checks, its integrity record included), after the checks
+    every format's adapters pass (``integrity.check_contents``: names, dtypes, finiteness, rank/alpha, and the
+    base model's modules and shapes when the base is here)."""
+    adapter = fmt.load(path, base=base)
+    return adapter, check_contents(adapter, path, resolve_base(adapter.base_model, base))
+
+
 def load(path, base=None) -> Adapter:
     path = local_adapter_path(path)
-    return get_format(sniff(path)).load(path, base=base)
+    return _checked(get_format(sniff(path)), path, base)[0]
 
 
 def convert(src, dst, to: str = "peft", base=None) -> dict:
@@ -72,7 +81,7 @@ def convert(src, dst, to: str = "peft", base=None) -> dict:
     src = local_adapter_path(src)
     source = sniff(src)
     target = get_format(to)
-    adapter = get_format(source).load(src, base=base)
+    adapter = _checked(get_format(source), src, base)[0]
     target.save(adapter, dst, base=base)
     return {"from": source, "to": to, "src": str(src), "dst": str(dst), "r": adapter.r, "alpha": adapter.alpha,
             "linear": len(adapter.linear), "experts": len(adapter.experts)}
@@ -82,7 +91,9 @@ def verify(path, base=None) -> tuple[str, list[str]]:
     """(format, the checks that passed); raises AdapterError on the first failure."""
     path = local_adapter_path(path)
     name = sniff(path)
-    return name, get_format(name).verify(path, base=base)
+    fmt = get_format(name)
+    checks = list(fmt.verify(path, base=base))
+    return name, checks + _checked(fmt, path, base)[1]
 
 
 def load_adapter_into(model, path, base=None, is_trainable: bool = False):
@@ -94,13 +105,13 @@ def load_adapter_into(model, path, base=None, is_trainable: bool = False):
     name = sniff(path)
     fmt = get_format(name)
     if _specs()[name].peft_native:
-        fmt.verify(path, base=base)
+        _checked(fmt, path, base)
         return PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable)
     native = [n for n, spec in sorted(_specs().items()) if spec.peft_native]
     if not native:
         raise AdapterError(f"{path}: loading a {name} adapter into PEFT needs an installed adapter format that PEFT "
                            "reads (ktcore-adapter-peft)")
-    adapter = fmt.load(path, base=base)
+    adapter = _checked(fmt, path, base)[0]
     with tempfile.TemporaryDirectory(prefix="ktcore-adapter-") as tmp:
         get_format(native[0]).save(adapter, Path(tmp) / "adapter", base=base)
         return PeftModel.from_pretrained(model, str(Path(tmp) / "adapter"), is_trainable=is_trainable)

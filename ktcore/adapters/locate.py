@@ -15,16 +15,15 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def safetensors_header(path) -> dict:
-    """name -> {"dtype", "shape"} from a safetensors header (no tensor data read)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise AdapterError(f"{path}: truncated safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 * 1024 * 1024:
-            raise AdapterError(f"{path}: implausible safetensors header size {n}")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
+    """name -> {"dtype", "shape"} from a safetensors header (no tensor data read), every entry checked against
+    the file (``weights.safetensors_reader.read_header``: a truncated file or a bad entry is one line)."""
+    from ..errors import CheckpointError
+    from ..weights.safetensors_reader import read_header
+
+    try:
+        header, _ = read_header(Path(path))
+    except CheckpointError as exc:
+        raise AdapterError(str(exc)) from exc
     return {k: {"dtype": v["dtype"], "shape": list(v["shape"])} for k, v in header.items()}
 
 
@@ -79,13 +78,23 @@ def base_fingerprint(path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def is_base_model(path) -> bool:
+    """A local base model: a directory with config.json, or a .gguf file (nothing else is read as one)."""
+    path = Path(path)
+    return path.is_dir() and (path / "config.json").is_file() or path.is_file() and path.suffix.lower() == ".gguf"
+
+
 def resolve_base(adapter_base: Optional[str], base=None) -> Optional[Path]:
-    """The local base model: ``base`` if given, else the adapter's base_model_name_or_path if it exists."""
+    """The local base model: ``base`` if given, else the adapter's base_model_name_or_path if it is one (a
+    recorded path that is a file other than a .gguf, or a directory without config.json, is never read)."""
     if base is not None:
         path = Path(base)
         if not path.exists():
             raise AdapterError(f"base model {str(base)!r} does not exist")
+        if not is_base_model(path):
+            raise AdapterError(f"base model {str(base)!r} is neither a model directory with config.json nor a .gguf "
+                               "file")
         return path
-    if adapter_base and Path(adapter_base).exists():
+    if isinstance(adapter_base, str) and adapter_base and is_base_model(adapter_base):
         return Path(adapter_base)
     return None

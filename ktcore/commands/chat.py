@@ -16,6 +16,25 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_inputs(cfg: TrainConfig, path: Path) -> None:
+    """Everything chat reads, checked from headers before a weight is read: a GGUF model's header and tensor
+    extents (a partial file is one line), the expert backend, the adapter (``ktcore adapter verify`` against the
+    model)."""
+    from ..frontends.skeleton import check_backend
+
+    if cfg.use_kt:
+        check_backend(cfg, training=False)
+    if path.is_file():
+        from ..weights.gguf_reader import GGUFFile
+
+        with GGUFFile(path):
+            pass
+    if cfg.adapter_name_or_path:
+        from ..adapters import verify
+
+        verify(cfg.adapter_name_or_path, base=path)
+
+
 def load_for_chat(cfg: TrainConfig):
     """(model, tokenizer) for inference: ktcore experts when use_kt, the adapter when one is named."""
     import torch
@@ -23,6 +42,7 @@ def load_for_chat(cfg: TrainConfig):
     from ..weights.loading import load_model
 
     path = resolve_model_path(cfg)
+    check_inputs(cfg, path)
     tokenizer = load_tokenizer(path)
     if cfg.use_kt:
         model = load_model(path, cfg.kt, need_backward=False, progress=False)

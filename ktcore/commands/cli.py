@@ -184,11 +184,12 @@ def adapter_convert(src, dst, to, base):
 def adapter_verify(path, base):
     """Validate an adapter (format sniffed) and print every check that passed."""
     from ..adapters import verify
+    from ..adapters.integrity import Note
 
     name, checks = verify(path, base=base)
     click.echo(f"{path}: {name} adapter OK")
     for line in checks:
-        click.echo(f"  ok  {line}")
+        click.echo(f"  {'NOTE' if isinstance(line, Note) else 'ok'}  {line}")
 
 
 @main.command("export")

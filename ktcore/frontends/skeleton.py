@@ -18,12 +18,60 @@ IGNORE_INDEX = -100  # labels of the tokens the loss leaves out (prompt, padding
 
 def check_model_and_adapter(cfg: TrainConfig, *, hub_ok: bool = False) -> Path:
     """The model path (``resolve_model_path``), after checking that ``adapter_name_or_path``, if set, is a PEFT
-    adapter directory to keep training."""
+    adapter directory to keep training that passes ``ktcore adapter verify`` against the model (its integrity
+    record, no pickle, names, shapes, finiteness): all before any weight is read."""
     model = resolve_model_path(cfg, hub_ok=hub_ok)
-    if cfg.adapter_name_or_path and not (Path(cfg.adapter_name_or_path) / "adapter_config.json").is_file():
-        raise ConfigError(f"{cfg.where}: adapter_name_or_path {cfg.adapter_name_or_path!r} has no "
-                          "adapter_config.json; point it at a directory written by save_pretrained")
+    if cfg.adapter_name_or_path:
+        from ..adapters import verify
+
+        if not (Path(cfg.adapter_name_or_path) / "adapter_config.json").is_file():
+            raise ConfigError(f"{cfg.where}: adapter_name_or_path {cfg.adapter_name_or_path!r} has no "
+                              "adapter_config.json; point it at a directory written by save_pretrained")
+        verify(cfg.adapter_name_or_path, base=model if isinstance(model, Path) else None)
+    if cfg.output_dir and Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise ConfigError(f"{cfg.where}: output_dir {cfg.output_dir!r} is an existing file, not a directory; choose "
+                          "another output_dir")
+    if cfg.use_kt:
+        check_backend(cfg)
+    if isinstance(model, Path):
+        check_lora_target(cfg, model)
     return model
+
+
+def check_backend(cfg: TrainConfig, training: bool = True) -> None:
+    """``kt_backend`` names an installed backend that can run here, with backward and LoRA when ``training``
+    (``auto``: one can), before the model loads."""
+    from ..errors import PluginError
+    from ..plugins.select import resolve_backend
+
+    kt = cfg.kt
+    try:
+        choice = resolve_backend(kt.kt_backend, weight_format=kt.kt_expert_weight_format, need_backward=training,
+                                 need_lora=training)
+    except PluginError as exc:
+        raise ConfigError(f"{cfg.where}: kt_config.kt_backend: {exc}".replace("\n", " ")) from exc
+    if choice.spec is None:
+        raise ConfigError(f"{cfg.where}: kt_config.kt_backend: auto: no installed expert backend can run here "
+                          "(`ktcore list-backends --explain` says why)")
+
+
+def check_lora_target(cfg: TrainConfig, model_path: Path) -> None:
+    """Every ``lora_target`` name is a module of the model, checked on the model built from its config on the
+    meta device (config.json or the GGUF header: no weight is read)."""
+    from ..model.peft_expert_lora import lora_targets
+    from ..model.wrap import find_arch
+    from ..weights.loading import meta_model_of
+
+    try:
+        hf_config, meta = meta_model_of(model_path, cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:  # transformers' own config errors, as one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{cfg.where}: model_name_or_path {str(model_path)!r}: cannot build the model from its "
+                          f"config ({first})") from exc
+    try:
+        lora_targets(meta, find_arch(hf_config), cfg.lora_target)
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.where}: {exc}") from exc
 
 
 class StepRecorder:

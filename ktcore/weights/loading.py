@@ -161,3 +161,18 @@ def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backwar
                    device=device, need_backward=need_backward, progress=progress)
     model.config.dtype = dtype
     return model.eval()
+
+
+def meta_model_of(path, trust_remote_code: bool = False):
+    """(transformers config, the model built from it on the meta device) of a model directory (its config.json)
+    or a ``.gguf`` file (its header): what checks need of a model's names and shapes, with no weight read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        with GGUFFile(path) as file:
+            hf_config = gguf_config(file)
+    else:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return hf_config, AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)

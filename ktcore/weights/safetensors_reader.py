@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError
+from ..files import inside_root
 from ..experts import ExpertWeights
 from ..model.wrap import canonical_weights
 
@@ -42,7 +43,8 @@ class _Entry:
 
 
 def read_header(file: Path) -> tuple[dict, int]:
-    """(tensor name -> metadata, offset of the data section) of one safetensors file, checked for truncation."""
+    """(tensor name -> metadata, offset of the data section) of one safetensors file, every entry checked (a
+    known dtype, a shape of non-negative ints, data_offsets that fit the shape and the file) before use."""
     size = file.stat().st_size
     try:
         with open(file, "rb") as f:
@@ -50,16 +52,38 @@ def read_header(file: Path) -> tuple[dict, int]:
             if header_len <= 0 or 8 + header_len > size:
                 raise ValueError(f"header length {header_len} does not fit a file of {size} bytes")
             header = json.loads(f.read(header_len))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{file}: unreadable safetensors file ({exc}); the shard is truncated or corrupt, "
-                              "download it again") from exc
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({exc}); the file is truncated or corrupt, "
+                              "write or download it again") from exc
     header.pop("__metadata__", None)
     base = 8 + header_len
+    for name, meta in header.items():
+        _check_entry(file, name, meta)
     end = max((meta["data_offsets"][1] for meta in header.values()), default=0)
     if base + end > size:
         raise CheckpointError(f"{file}: truncated ({size} bytes, header promises {base + end}); "
-                              "download the shard again")
+                              "write or download the file again")
     return header, base
+
+
+def _check_entry(file: Path, name: str, meta) -> None:
+    """One header entry: {"dtype": known, "shape": [ints >= 0], "data_offsets": [start, end]} whose byte range
+    holds exactly the shape's elements."""
+    ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+                                                 for x in v)
+    if not isinstance(meta, dict) or meta.get("dtype") not in DTYPES or not ints(meta.get("shape")) or \
+            not ints(meta.get("data_offsets")) or len(meta["data_offsets"]) != 2:
+        raise CheckpointError(f"{file}: header entry {name!r} is not {{dtype, shape, data_offsets}} of a known "
+                              f"dtype ({str(meta)[:80]}); the file is corrupt, write or download it again")
+    start, end = meta["data_offsets"]
+    numel = 1
+    for d in meta["shape"]:
+        numel *= d
+    if end - start != numel * DTYPES[meta["dtype"]].itemsize:
+        raise CheckpointError(f"{file}: tensor {name!r} spans bytes {start}..{end}, its shape {meta['shape']} "
+                              f"({meta['dtype']}) needs {numel * DTYPES[meta['dtype']].itemsize}; the file is corrupt")
 
 
 class SafetensorsCheckpoint:
@@ -76,7 +100,8 @@ class SafetensorsCheckpoint:
                     raise TypeError("weight_map is not an object")
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index}: bad index JSON ({exc}); re-download or re-save the checkpoint") from exc
-            files = sorted({self.root / name for name in listed.values()})
+            files = sorted({inside_root(self.root, name, f"{index}: weight_map entry {key!r}")
+                            for key, name in listed.items()})
         elif (self.root / SINGLE_NAME).is_file():
             files = [self.root / SINGLE_NAME]
         else:

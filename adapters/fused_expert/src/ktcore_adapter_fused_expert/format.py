@@ -29,7 +29,8 @@ from ktcore.adapters import known_files
 from ktcore.adapters.canonical import (PEFT_PREFIX, Adapter, AdapterError, fuse_gate_up, layer_of, peft_config_for,
                                        peft_state, split_expert_parts, uniform_rank)
 from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base, safetensors_header
-from ktcore.files import atomic_dir, atomic_write_bytes, sha256_file
+from ktcore.adapters.integrity import check_file, file_record
+from ktcore.files import atomic_dir, atomic_write_bytes
 
 MANIFEST = "kt_adapter_manifest.json"
 EXPERTS_FILE = "fused_expert_lora.safetensors"
@@ -90,8 +91,7 @@ class Format:
         with atomic_dir(dst, known_files()) as tmp:
             save_file(experts, str(tmp / EXPERTS_FILE), metadata={"format": "pt"})
             save_file(non_expert, str(tmp / NON_EXPERT_FILE), metadata={"format": "pt"})
-            manifest["files"] = {n: {"size": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
-                                 for n in (EXPERTS_FILE, NON_EXPERT_FILE)}
+            manifest["files"] = {n: file_record(tmp / n) for n in (EXPERTS_FILE, NON_EXPERT_FILE)}
             manifest["tensors"] = {n: safetensors_header(tmp / n) for n in (EXPERTS_FILE, NON_EXPERT_FILE)}
             atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         return Path(dst)
@@ -115,6 +115,13 @@ class Format:
             manifest = json.loads(mfile.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as exc:
             raise AdapterError(f"{mfile}: not valid JSON ({exc}); convert the adapter again") from exc
+        if not isinstance(manifest, dict):
+            raise AdapterError(f"{mfile}: must be a JSON object, got a {type(manifest).__name__}; convert the adapter "
+                               "again")
+        for key in ("files", "tensors", "lora", "base_model", "peft_config"):
+            if not isinstance(manifest.get(key) or {}, dict):
+                raise AdapterError(f"{mfile}: {key} must be an object, got a {type(manifest[key]).__name__}; "
+                                   "convert the adapter again")
         if manifest.get("format") != FORMAT_ID:
             raise AdapterError(f"{mfile}: format {manifest.get('format')!r}, expected {FORMAT_ID!r}")
         if manifest.get("version") != VERSION:
@@ -145,20 +152,7 @@ class Format:
         if set(files) != {EXPERTS_FILE, NON_EXPERT_FILE}:
             raise AdapterError(f"{mfile}: lists files {sorted(files)}, expected {EXPERTS_FILE} and {NON_EXPERT_FILE}")
         for name, meta in files.items():
-            f = folder / name
-            if f.is_symlink():
-                raise AdapterError(f"{f}: is a symlink; refusing (adapter files must be regular files)")
-            if not f.is_file():
-                raise AdapterError(f"{f}: missing (listed in {MANIFEST}); convert the adapter again")
-            size = f.stat().st_size
-            if size != meta.get("size"):
-                raise AdapterError(f"{f}: size {size} bytes, the manifest says {meta.get('size')}: the file was "
-                                   "changed or truncated; convert the adapter again")
-            digest = sha256_file(f)
-            if digest != meta.get("sha256"):
-                raise AdapterError(f"{f}: SHA-256 {digest[:16]}... differs from the manifest's "
-                                   f"{str(meta.get('sha256'))[:16]}...: the file was tampered with or corrupted; "
-                                   "convert the adapter again")
+            check_file(folder / name, meta, mfile)
         allowed = {MANIFEST} | set(files) if folder.resolve() == root else {MANIFEST}
         for place in {root, folder.resolve()}:
             for entry in sorted(place.iterdir()):
@@ -177,12 +171,12 @@ class Format:
             raise AdapterError(f"{mfile}: lora.r / lora.alpha missing or invalid ({lora})")
         for name in files:
             header = safetensors_header(folder / name)
-            declared = tensors.get(name) or {}
+            declared = tensors.get(name) if isinstance(tensors.get(name), dict) else {}
             if set(header) != set(declared):
                 diff = sorted(set(header) ^ set(declared))
                 raise AdapterError(f"{folder / name}: tensors {diff[:4]} differ from the manifest's list")
             for key, info in header.items():
-                want = declared[key]
+                want = declared[key] if isinstance(declared[key], dict) else {}
                 if info["shape"] != want.get("shape"):
                     raise AdapterError(f"{folder / name}: tensor {key!r} has shape {info['shape']}, the manifest "
                                        f"says {want.get('shape')}; refusing")
@@ -194,7 +188,7 @@ class Format:
                       f"{manifest.get('expert_weight_format')}")
 
         peft_config = manifest.get("peft_config") or {}
-        if peft_config.get("r") != r or float(peft_config.get("lora_alpha", -1)) != float(alpha):
+        if peft_config.get("r") != r or peft_config.get("lora_alpha") != alpha:
             raise AdapterError(f"{mfile}: peft_config r={peft_config.get('r')}, lora_alpha="
                                f"{peft_config.get('lora_alpha')} disagree with lora r={r}, alpha={alpha}")
         if expect_r is not None and expect_r != r:
@@ -204,8 +198,7 @@ class Format:
         checks.append(f"lora: r={r}, alpha={alpha:g} (scaling {alpha / r:g}) consistent")
 
         recorded = manifest.get("base_model") or {}
-        base_path = Path(base) if base is not None else (
-            Path(recorded["path"]) if recorded.get("path") and Path(recorded["path"]).exists() else None)
+        base_path = resolve_base(recorded.get("path"), base)
         if base_path is not None:
             got = base_fingerprint(base_path)
             if got != recorded.get("fingerprint"):

@@ -28,12 +28,14 @@ names, the experts' names, the rope permutation) come from its architecture plug
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
 
 from ktcore.adapters.canonical import (Adapter, AdapterError, fuse_gate_up, layer_of, peft_config_for, split_expert_parts,
                                        uniform_rank)
+from ktcore.adapters.integrity import check_module_name, no_record_note
 from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base
 from ktcore.files import atomic_file
 from ktcore.plugins import get_registry
@@ -41,6 +43,47 @@ from ktcore.weights.gguf_reader import (GGUFFile, GGUFNames, gguf_config, is_rop
                                        rope_unpermute)
 
 META = "ktcore.adapter."
+INTEGRITY = META + "integrity"  # SHA-256 of every other metadata key and of every tensor's bytes
+
+
+def integrity_record(reader) -> dict:
+    """What ``ktcore.adapter.integrity`` records of a GGUF: a SHA-256 over every metadata key but itself (name,
+    type, value: alpha, tensor_map, peft_config, base ...), and each tensor's type, shape and SHA-256."""
+    meta = hashlib.sha256()
+    for field in sorted(reader.fields.values(), key=lambda f: f.name):
+        if field.name.startswith("GGUF.") or field.name == INTEGRITY:
+            continue  # the file's own counts and version; the record itself
+        value = field.contents()
+        meta.update(json.dumps([field.name, [int(t) for t in field.types], value], sort_keys=True,
+                               default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)).encode() + b"\n")
+    tensors = {t.name: {"type": t.tensor_type.name, "shape": [int(d) for d in t.shape],
+                        "sha256": hashlib.sha256(t.data.tobytes()).hexdigest()} for t in reader.tensors}
+    return {"version": 1, "metadata_sha256": meta.hexdigest(), "tensors": tensors}
+
+
+def check_integrity(reader, path) -> str:
+    """The passed check of the file's integrity record, or a Note when it has none (made by another tool)."""
+    text = _field(reader, INTEGRITY)
+    if text is None:
+        return no_record_note(path)
+    try:
+        recorded = json.loads(text)
+    except ValueError as exc:
+        raise AdapterError(f"{path}: {INTEGRITY} is not valid JSON ({exc}); convert the adapter again") from exc
+    got = integrity_record(reader)
+    if not isinstance(recorded, dict) or recorded.get("version") != got["version"]:
+        raise AdapterError(f"{path}: {INTEGRITY} is not a version-{got['version']} integrity record; refusing")
+    if recorded.get("metadata_sha256") != got["metadata_sha256"]:
+        raise AdapterError(f"{path}: its metadata (alpha, tensor_map, peft_config, base model ...) differs from "
+                           f"what {INTEGRITY} records: tampered with or corrupted; convert the adapter again")
+    want = recorded.get("tensors") if isinstance(recorded.get("tensors"), dict) else {}
+    for name in sorted(set(want) | set(got["tensors"])):
+        if want.get(name) != got["tensors"].get(name):
+            what = "is not in the file" if name not in got["tensors"] else "is not recorded" if name not in want \
+                else "differs from the record (type, shape or SHA-256)"
+            raise AdapterError(f"{path}: tensor {name!r} {what}: tampered with or corrupted; convert the adapter "
+                               "again")
+    return f"{path.name}: {INTEGRITY} matches (SHA-256 of the metadata and of {len(want)} tensors)"
 
 
 def _gguf():
@@ -59,6 +102,27 @@ def _field(reader, key, default=None):
     if f.types and f.types[0] == _gguf().GGUFValueType.STRING:
         return bytes(value).decode("utf-8")
     return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def _json_object(text, path, key) -> dict:
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise AdapterError(f"{path}: {META}{key} is not valid JSON ({exc}); convert the adapter again") from exc
+    if not isinstance(value, dict):
+        raise AdapterError(f"{path}: {META}{key} must be a JSON object, got a {type(value).__name__}")
+    return value
+
+
+def _tensor_map(text, path) -> dict:
+    """``ktcore.adapter.tensor_map``: GGUF tensor -> HF module, or [experts module, gate|up|down]; every module a
+    plain module path."""
+    tmap = _json_object(text, path, "tensor_map")
+    for target, source in tmap.items():
+        module = source[0] if isinstance(source, list) and len(source) == 2 and source[1] in ("gate", "up", "down") \
+            else source
+        check_module_name(module, f"{path}: {META}tensor_map entry {target!r}")
+    return tmap
 
 
 class BaseInfo:
@@ -147,10 +211,8 @@ class Format:
             for part, (a, b) in split_expert_parts(parts).items():
                 add(info.expert_name(part, module), a, b, [module, part])
 
-        dst = Path(dst)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(dst) as tmp:
-            writer = gguf.GGUFWriter(tmp, info.arch)
+        def write(target, extra: dict):
+            writer = gguf.GGUFWriter(target, info.arch)
             writer.add_type(gguf.GGUFType.ADAPTER)
             writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
             writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(adapter.alpha))
@@ -158,6 +220,8 @@ class Format:
             writer.add_string(META + "tensor_map", json.dumps(tmap, sort_keys=True))
             writer.add_string(META + "base_model", str(Path(base_path).resolve()))
             writer.add_string(META + "base_fingerprint", base_fingerprint(base_path))
+            for key, value in extra.items():
+                writer.add_string(key, value)
             for name, t in tensors:
                 t = t.detach().cpu()
                 t = t if t.dtype == torch.float16 else t.float()
@@ -166,6 +230,19 @@ class Format:
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
             writer.close()
+
+        dst = Path(dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        # The integrity record is computed from the file as the reader sees it (one code path for writing and
+        # checking it): written once without it, read back, hashed, then written again with it.
+        with atomic_file(dst) as tmp:
+            draft = tmp.with_name(tmp.name + ".draft")
+            try:
+                write(draft, {})
+                record = integrity_record(gguf.GGUFReader(str(draft)))
+            finally:
+                draft.unlink(missing_ok=True)
+            write(tmp, {INTEGRITY: json.dumps(record, sort_keys=True)})
         return dst
 
     # ---- reading -------------------------------------------------------------------------------------------
@@ -178,15 +255,15 @@ class Format:
             reader = gguf.GGUFReader(str(path))
         except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
             raise AdapterError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-        checks = []
+        checks = [check_integrity(reader, path)]
         kind = _field(reader, "general.type")
         if kind != "adapter":
             raise AdapterError(f"{path}: general.type is {kind!r}, not 'adapter' (a base model GGUF, not a LoRA?)")
         if _field(reader, gguf.Keys.Adapter.TYPE) != "lora":
             raise AdapterError(f"{path}: adapter.type is {_field(reader, gguf.Keys.Adapter.TYPE)!r}, not 'lora'")
         alpha = _field(reader, gguf.Keys.Adapter.LORA_ALPHA)
-        if alpha is None:
-            raise AdapterError(f"{path}: no adapter.lora.alpha")
+        if not isinstance(alpha, (int, float)):
+            raise AdapterError(f"{path}: adapter.lora.alpha is {alpha!r}, not a number")
         arch = _field(reader, "general.architecture")
         checks.append(f"{path.name}: general.type=adapter, adapter.type=lora, adapter.lora.alpha={alpha:g}, "
                       f"architecture {arch}")
@@ -216,6 +293,8 @@ class Format:
         checks.append(f"tensors: {len(pairs)} lora_a/lora_b pairs, every pair rank {r} with matching shapes")
 
         tmap_text = _field(reader, META + "tensor_map")
+        tmap = _tensor_map(tmap_text, path) if tmap_text is not None else None  # before the base is read
+        peft_config = _json_object(_field(reader, META + "peft_config") or "{}", path, "peft_config")
         recorded_base = _field(reader, META + "base_model")
         base_path = resolve_base(recorded_base, base)
         fingerprint = _field(reader, META + "base_fingerprint")
@@ -226,17 +305,14 @@ class Format:
                                    "fingerprint: other base model; refusing")
             checks.append(f"base model {base_path}: fingerprint matches")
         info = BaseInfo(base_path) if base_path is not None else None
-        if tmap_text is not None:
-            tmap = json.loads(tmap_text)
-        elif info is not None:
+        if tmap is None and info is not None:
             tmap = info.inverse_map()
-        else:
+        elif tmap is None:
             raise AdapterError(f"{path}: a GGUF LoRA from another tool; mapping it back needs the base model "
                                "(--base DIR)")
         unknown = sorted(set(pairs) - set(tmap))
         if unknown:
             raise AdapterError(f"{path}: tensors {unknown[:3]} match no module of the base model (other base model?)")
-        peft_config = json.loads(_field(reader, META + "peft_config") or "{}")
         return reader, pairs, tmap, float(alpha), r, arch, info, peft_config, recorded_base, checks
 
     def load(self, path, base=None) -> Adapter:

@@ -11,17 +11,17 @@ are refused rather than converted wrong.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 from ktcore.adapters import known_files
 from ktcore.adapters.canonical import (EXPERT_PARAMS, PEFT_PREFIX, Adapter, AdapterError, peft_config_for, peft_state,
                                        uniform_rank)
-from ktcore.adapters.locate import local_adapter_path, resolve_base
+from ktcore.adapters.integrity import PEFT_CONFIG, PEFT_FILES, PEFT_WEIGHTS, check_sidecar, write_sidecar
+from ktcore.adapters.locate import local_adapter_path, safetensors_header
 from ktcore.files import atomic_dir
 
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
 # adapter_config.json fields that change the math in ways the canonical form does not carry
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {},
                 "modules_to_save": None, "trainable_token_indices": None, "layer_replication": None,
@@ -35,50 +35,24 @@ class Format:
         return write_peft_dir(adapter, dst)
 
     def load(self, path, base=None) -> Adapter:
-        adapter = read_peft_dir(path)
-        adapter.check()
-        return adapter
+        return self._read(path)[1]
 
     def verify(self, path, base=None) -> list[str]:
-        path = local_adapter_path(path)
-        adapter = self.load(path)
-        checks = [f"{PEFT_CONFIG}: LoRA, r={adapter.r}, lora_alpha={adapter.alpha:g}, no DoRA/rsLoRA/"
-                  "rank or alpha patterns",
-                  f"{PEFT_WEIGHTS}: {len(adapter.linear)} linear LoRA pairs, {len(adapter.experts)} expert "
-                  f"modules, every pair rank {adapter.r} with consistent shapes"]
-        base_path = resolve_base(adapter.base_model, base)
-        if base_path is not None:
-            checks.append(check_against_base(adapter, base_path))
-        return checks
+        record, adapter = self._read(path)
+        return [record,
+                f"{PEFT_CONFIG}: LoRA, r={adapter.r}, lora_alpha={adapter.alpha:g}, no DoRA/rsLoRA/"
+                "rank or alpha patterns",
+                f"{PEFT_WEIGHTS}: {len(adapter.linear)} linear LoRA pairs, {len(adapter.experts)} expert "
+                f"modules, every pair rank {adapter.r} with consistent shapes"]
 
-
-def check_against_base(adapter: Adapter, base) -> str:
-    """Every LoRA pair fits a tensor of the base model (shapes from its config, built on the meta device)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    base = Path(base)
-    if base.suffix.lower() == ".gguf":
-        return f"base {base}: GGUF base, shapes not checked"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
-    params = dict(model.named_parameters())
-    for name, a, b in adapter.tensors():
-        if isinstance(name, tuple):
-            module, part = name
-            weight = params.get(f"{module}.{EXPERT_PARAMS[part]}")
-            want = None if weight is None else tuple(weight.shape)
-            got = (a.shape[0], b.shape[1], a.shape[2])
-        else:
-            weight = params.get(f"{name}.weight")
-            want = None if weight is None else tuple(weight.shape)
-            got = (b.shape[0], a.shape[1])
-        if want is None:
-            raise AdapterError(f"LoRA on {name}: the base model {base} has no such weight (other base model?)")
-        if tuple(got) != want:
-            raise AdapterError(f"LoRA on {name}: delta shape {list(got)} does not match the base weight "
-                                    f"{list(want)} of {base} (other base model?)")
-    return f"base {base}: every LoRA pair matches a base weight's shape"
+    @staticmethod
+    def _read(path):
+        """(the integrity record's check or Note, the Adapter): no pickle, then the record, then the files."""
+        cfg_file, _ = peft_files(path)
+        record = check_sidecar(cfg_file.parent, PEFT_FILES)
+        adapter = read_peft_dir(path)
+        adapter.check()
+        return record, adapter
 
 
 def _strip_base_layers(module: str) -> tuple[str, int]:
@@ -113,21 +87,46 @@ def check_peft_config(config: dict, where) -> None:
         raise AdapterError(f"{where}: bias={config['bias']!r}; only bias='none' is supported")
 
 
-def read_peft_dir(path) -> Adapter:
-    """A standard PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) -> Adapter."""
-    from safetensors.torch import load_file
-
+def peft_files(path) -> tuple[Path, Path]:
+    """(adapter_config.json, adapter_model.safetensors) of a PEFT directory; a pickled adapter_model.bin is
+    never read (it can run code when unpickled), whatever else the directory holds."""
     path = local_adapter_path(path)
     cfg_file, weights = path / PEFT_CONFIG, path / PEFT_WEIGHTS
     if not cfg_file.is_file():
         raise AdapterError(f"{path}: no {PEFT_CONFIG}; not a PEFT adapter directory")
     if not weights.is_file():
-        extra = " (adapter_model.bin is a pickle; re-save with safe_serialization)" \
+        extra = " (adapter_model.bin is a pickle, which ktcore never loads; re-save with safe_serialization=True)" \
             if (path / "adapter_model.bin").exists() else ""
         raise AdapterError(f"{path}: no {PEFT_WEIGHTS}{extra}")
-    config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    return cfg_file, weights
+
+
+def read_peft_config(cfg_file: Path) -> dict:
+    """adapter_config.json, checked: a JSON object, LoRA with nothing the canonical form does not carry, an
+    integer rank r > 0 and a number lora_alpha > 0."""
+    try:
+        config = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{cfg_file}: not valid JSON ({exc}); save the adapter again") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"{cfg_file}: must be a JSON object, got a {type(config).__name__}")
     check_peft_config(config, cfg_file)
-    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise AdapterError(f"{cfg_file}: r must be an integer > 0, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"{cfg_file}: lora_alpha must be a number > 0, got {alpha!r}")
+    return config
+
+
+def read_peft_dir(path) -> Adapter:
+    """A standard PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) -> Adapter."""
+    from safetensors.torch import load_file
+
+    cfg_file, weights = peft_files(path)
+    config = read_peft_config(cfg_file)
+    r, alpha = config["r"], float(config["lora_alpha"])
+    safetensors_header(weights)  # every entry checked against the file before a tensor is read
     state = load_file(str(weights))
     expert_suffixes = _expert_modules(config)
     pairs: dict[tuple[str, int], dict] = {}
@@ -191,4 +190,5 @@ def write_peft_dir(adapter: Adapter, dst) -> Path:
         save_file(peft_state(adapter), str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
         (tmp / PEFT_CONFIG).write_text(json.dumps(peft_config_for(adapter), indent=2, sort_keys=True),
                                        encoding="utf-8")
+        write_sidecar(tmp, PEFT_FILES)
     return Path(dst)

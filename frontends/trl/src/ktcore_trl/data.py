@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from ktcore.config import ConfigError
+from ktcore.files import inside_root
 from ktcore.frontends.skeleton import IGNORE_INDEX
 
 INFO_FILE = "dataset_info.json"
@@ -222,7 +223,7 @@ def load_examples(cfg, names: Optional[str] = None, key: str = "dataset", rankin
             want = "preference pairs (ranking: true)" if ranking else "SFT data (no ranking)"
             raise ConfigError(f"{info_path}: dataset {name!r} is {'a preference' if is_ranking else 'an SFT'} "
                               f"dataset but stage {cfg.stage!r} needs {want}; pick another dataset")
-        path = dataset_dir / str(entry["file_name"])
+        path = inside_root(dataset_dir, entry["file_name"], f"{info_path}: dataset {name!r}: file_name")
         if not path.exists():
             raise ConfigError(f"{path}: file of dataset {name!r} does not exist; fix file_name in {info_path}")
         formatting = entry.get("formatting", "alpaca")

@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ktcore.adapters.integrity import PEFT_FILES, write_sidecar
 from ktcore.model.checkpointing import checkpoint_non_experts
 from ktcore.config import ConfigError, TrainConfig
 from ktcore.frontends.skeleton import (StepRecorder, check_model_and_adapter, count_parameters, describe_parameters,
@@ -108,11 +109,16 @@ def load_base_model(cfg):
 
 
 def attach_lora(model, cfg):
-    """PEFT-wrap ``model``: a new LoRA from the YAML, or ``adapter_name_or_path`` to keep training."""
-    from peft import PeftModel, get_peft_model
+    """PEFT-wrap ``model``: a new LoRA from the YAML, or ``adapter_name_or_path`` to keep training (validated
+    as every adapter ktcore reads: ``ktcore.adapters.load_adapter_into``)."""
+    from peft import get_peft_model
+
+    from ktcore.adapters import load_adapter_into
 
     if cfg.adapter_name_or_path:
-        return PeftModel.from_pretrained(model, cfg.adapter_name_or_path, is_trainable=True)
+        base = Path(cfg.model_name_or_path)
+        return load_adapter_into(model, cfg.adapter_name_or_path, base=base if base.exists() else None,
+                                 is_trainable=True)
     return get_peft_model(model, lora_config(model, cfg))
 
 
@@ -320,6 +326,7 @@ def save_adapter(model, tokenizer, output_dir) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        write_sidecar(tmp, PEFT_FILES)  # SHA-256 of the weights and config, checked on every load
         for path in tmp.iterdir():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
