@@ -449,7 +449,9 @@ def load_config(path, overrides=(), quiet: bool = False) -> TrainConfig:
     if overrides:
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: the top level must be a mapping of keys")
-        data = _merge(data, parse_overrides(overrides))
+        extra = parse_overrides(overrides)
+        config_from_dict(extra, "command line", path.parent, quiet=True)  # its own mistakes named as its own
+        data = _merge(data, extra)
     return config_from_dict(data, where, path.parent, quiet=quiet)
 
 

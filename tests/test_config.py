@@ -228,10 +228,14 @@ def test_override_errors(tmp_path):
     path = write(tmp_path, "lora_rank: 8\n")
     with pytest.raises(ConfigError, match="override 'lora_rank' must look like key=value"):
         load_config(path, ["lora_rank"])
-    with pytest.raises(ConfigError, match="unknown key 'kt_config.kt_backed'; did you mean 'kt_backend'"):
+    # a mistake of the command line is blamed on the command line, not on the file
+    with pytest.raises(ConfigError, match="^command line: unknown key 'kt_config.kt_backed'; did you mean 'kt_backend'"):
         load_config(path, ["kt_config.kt_backed=torch"])
-    with pytest.raises(ConfigError, match="lora_rank must be int, got 'big'"):
+    with pytest.raises(ConfigError, match="^command line: lora_rank must be int, got 'big'"):
         load_config(path, ["lora_rank=big"])
+    bad_file = write(tmp_path, "lora_rnak: 8\n", "typo.yaml")
+    with pytest.raises(ConfigError, match=f"^{bad_file}: unknown key 'lora_rnak'"):
+        load_config(bad_file, ["lora_rank=4"])
 
 
 def test_parse_overrides_nests_dotted_keys():
