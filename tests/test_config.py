@@ -229,7 +229,7 @@ def test_override_errors(tmp_path):
     with pytest.raises(ConfigError, match="override 'lora_rank' must look like key=value"):
         load_config(path, ["lora_rank"])
     # a mistake of the command line is blamed on the command line, not on the file
-    with pytest.raises(ConfigError, match="^command line: unknown key 'kt_config.kt_backed'; did you mean 'kt_backend'"):
+    with pytest.raises(ConfigError, match="^command line: unknown key 'kt_config.kt_backed'; did you mean"):
         load_config(path, ["kt_config.kt_backed=torch"])
     with pytest.raises(ConfigError, match="^command line: lora_rank must be int, got 'big'"):
         load_config(path, ["lora_rank=big"])
