@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -283,8 +284,10 @@ def test_train_frontend_missing_its_package(extras, tmp_path):
 
 
 def test_train_legacy_config_prints_a_note(extras, tmp_path):
-    cfg = write(tmp_path, "model:\n  model_name_or_path: m\noutput:\n  output_dir: o\nktransformers:\n"
-                          "  use_kt: true\n  cpu_infer: 3\n")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")  # ktcore train checks the model path before the frontend
+    cfg = write(tmp_path, f"model:\n  model_name_or_path: {tmp_path / 'm'}\noutput:\n  output_dir: o\n"
+                          "ktransformers:\n  use_kt: true\n  cpu_infer: 3\n")
     result = invoke("train", cfg, "--frontend", "fakefront")
     assert result.exit_code == 0, result.stderr
     assert "translated legacy KT config" in result.stderr and "cpu_infer -> kt_config.kt_num_threads=3" in result.stderr
@@ -359,3 +362,42 @@ def test_core_commands_need_no_backend_plugin(clean_plugin_env, tmp_path):
     model.write_bytes(b"GGUF")
     one_line_error(invoke("convert", str(model), "--out", str(tmp_path / "out")),
                    "no installed expert backend declares a converter")
+
+
+_NO_HEAVY_IMPORTS = r'''
+import sys
+from ktcore.commands.cli import main
+try:
+    main(sys.argv[1:], prog_name="ktcore")
+except SystemExit as exc:
+    heavy = sorted(m for m in ("torch", "transformers", "trl") if m in sys.modules)
+    print(f"exit={exc.code} heavy={heavy}", file=sys.stderr)
+'''
+
+
+@pytest.mark.parametrize("yaml_text, extra, expected", [
+    ("kt_config:\n  kt_backend: amx_bf17\n", [],
+     "{cfg}: kt_config.kt_backend: expert backend 'amx_bf17' is not available"),
+    ("kt_config:\n  kt_backend: torch\n", ["kt_config.kt_backnd=torch"],
+     "command line: unknown key 'kt_config.kt_backnd'; did you mean 'kt_backend'?"),
+    ("kt_backend: torch\nkt_config:\n  kt_backend: auto\n", [],
+     "{cfg}: kt_backend: 'torch' at the top level and 'auto'"),
+    ("kt_config:\n  kt_backend: torch\n", ["model_name_or_path={tmp}/nothing"],
+     "model_name_or_path '{tmp}/nothing' does not exist"),
+    ("kt_config:\n  kt_backend: torch\n", ["--scenario", "x"], "error: ktcore train: No such option '--scenario'."),
+], ids=["unknown-backend", "override-typo", "conflicting-keys", "missing-model", "unknown-option"])
+def test_config_errors_are_one_line_before_torch_is_imported(tmp_path, yaml_text, extra, expected):
+    """Each mistake is one line naming the file (or the command line), found before torch, transformers or trl
+    is imported (so in a fraction of a second, not the ~10 s those imports take)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"model_name_or_path: {model}\noutput_dir: {tmp_path}/out\nuse_kt: true\n" + yaml_text)
+    args = ["train", str(cfg), "--frontend", "trl", *(a.format(tmp=tmp_path) for a in extra)]
+    proc = subprocess.run([sys.executable, "-c", _NO_HEAVY_IMPORTS, *args], capture_output=True, text=True,
+                          timeout=120)
+    error, status = proc.stderr.strip().splitlines()
+    assert status == "exit=2 heavy=[]", proc.stderr
+    assert expected.format(cfg=cfg, tmp=tmp_path) in error
+    assert error.startswith("error: ")

@@ -22,6 +22,10 @@ class KtcoreGroup(click.Group):
         except (KtcoreError, FileNotFoundError) as exc:
             click.echo(f"error: {exc}", err=True)
             ctx.exit(2)
+        except click.UsageError as exc:  # a command's arguments: one line, not click's usage block
+            command = exc.ctx.command_path if exc.ctx else ctx.command_path
+            click.echo(f"error: {command}: {exc.format_message()} (see {command} --help)", err=True)
+            ctx.exit(2)
 
 
 @click.group(cls=KtcoreGroup)

@@ -31,6 +31,9 @@ def run_frontend(name: str, cfg: TrainConfig) -> dict:
         raise ConfigError(f"{where}: model_name_or_path is required for training")
     if not cfg.output_dir:
         raise ConfigError(f"{where}: output_dir is required for training")
+    from .skeleton import check_paths_and_backend
+
+    check_paths_and_backend(cfg, hub_ok=True)  # before the frontend's imports (torch, transformers) take seconds
     try:
         run = import_object(spec.run)
     except Exception as exc:  # noqa: BLE001

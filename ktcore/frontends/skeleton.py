@@ -16,11 +16,24 @@ from ..config import ConfigError, TrainConfig, resolve_model_path
 IGNORE_INDEX = -100  # labels of the tokens the loss leaves out (prompt, padding)
 
 
-def check_model_and_adapter(cfg: TrainConfig, *, hub_ok: bool = False) -> Path:
-    """The model path (``resolve_model_path``), after checking that ``adapter_name_or_path``, if set, is a PEFT
-    adapter directory to keep training that passes ``ktcore adapter verify`` against the model (its integrity
-    record, no pickle, names, shapes, finiteness): all before any weight is read."""
+def check_paths_and_backend(cfg: TrainConfig, *, hub_ok: bool = False):
+    """The checks that need neither torch nor transformers (``ktcore train`` runs them before it imports a
+    frontend): the model path (returned, from ``resolve_model_path``), output_dir not a file, and with use_kt a
+    backend that can train here."""
     model = resolve_model_path(cfg, hub_ok=hub_ok)
+    if cfg.output_dir and Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise ConfigError(f"{cfg.where}: output_dir {cfg.output_dir!r} is an existing file, not a directory; choose "
+                          "another output_dir")
+    if cfg.use_kt:
+        check_backend(cfg)
+    return model
+
+
+def check_model_and_adapter(cfg: TrainConfig, *, hub_ok: bool = False) -> Path:
+    """The model path (``check_paths_and_backend``), after checking that ``adapter_name_or_path``, if set, is a
+    PEFT adapter directory to keep training that passes ``ktcore adapter verify`` against the model (its integrity
+    record, no pickle, names, shapes, finiteness), and the lora_target names: all before any weight is read."""
+    model = check_paths_and_backend(cfg, hub_ok=hub_ok)
     if cfg.adapter_name_or_path:
         from ..adapters import verify
 
@@ -28,11 +41,6 @@ def check_model_and_adapter(cfg: TrainConfig, *, hub_ok: bool = False) -> Path:
             raise ConfigError(f"{cfg.where}: adapter_name_or_path {cfg.adapter_name_or_path!r} has no "
                               "adapter_config.json; point it at a directory written by save_pretrained")
         verify(cfg.adapter_name_or_path, base=model if isinstance(model, Path) else None)
-    if cfg.output_dir and Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
-        raise ConfigError(f"{cfg.where}: output_dir {cfg.output_dir!r} is an existing file, not a directory; choose "
-                          "another output_dir")
-    if cfg.use_kt:
-        check_backend(cfg)
     if isinstance(model, Path):
         check_lora_target(cfg, model)
     return model
