@@ -20,7 +20,7 @@ class KtcoreGroup(click.Group):
         try:
             return super().invoke(ctx)
         except (KtcoreError, FileNotFoundError) as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo("error: " + " ".join(str(exc).split("\n")), err=True)  # one line, whatever the message
             ctx.exit(2)
         except click.UsageError as exc:  # a command's arguments: one line, not click's usage block
             command = exc.ctx.command_path if exc.ctx else ctx.command_path
@@ -84,11 +84,13 @@ def list_backends(as_json, explain):
             click.echo(f"  {rec.entry_point} ({rec.dist}): {rec.status}: {rec.reason}")
 
 
-def _list_kind(kind: str, columns: list[str], describe):
+def _list_kind(kind: str, columns: list[str], describe, more=None):
     @click.option("--json", "as_json", is_flag=True)
     def command(as_json):
         registry = get_registry()
         rows = [{"name": name, **describe(spec)} for name, spec in sorted(registry.specs(kind).items())]
+        if more:
+            rows += more(registry.specs(kind))
         if as_json:
             click.echo(json.dumps(rows, indent=2))
         else:
@@ -99,10 +101,23 @@ def _list_kind(kind: str, columns: list[str], describe):
 main.command("list-archs", help="Model architectures and the HF classes they handle.")(
     _list_kind("arch", ["hf_architectures", "experts_module"],
                lambda s: {"hf_architectures": ",".join(s.hf_architectures), "experts_module": s.experts_module}))
+def _frontends_elsewhere(installed) -> list[dict]:
+    """Rows for the frontends not installed here that have an environment of their own (or a setup script)."""
+    from ..frontends.environments import environments, not_set_up, source_tree
+
+    rows = [{"name": n, "stages": "-", "requires": "-", "description": f"in {python.parent.parent}: ktcore train "
+             f"--frontend {n} runs there"} for n, python in environments().items() if n not in installed]
+    scripts = sorted((source_tree() / "scripts").glob("setup_*.sh")) if source_tree() else []
+    for name in (s.stem[len("setup_"):] for s in scripts):
+        if name not in installed and (how := not_set_up(name)):
+            rows.append({"name": name, "stages": "-", "requires": "-", "description": how})
+    return rows
+
+
 main.command("list-frontends", help="Training frontends and the stages they run.")(
     _list_kind("frontend", ["stages", "requires", "description"],
                lambda s: {"stages": ",".join(s.stages), "requires": ",".join(s.required_packages) or "-",
-                          "description": s.description}))
+                          "description": s.description}, _frontends_elsewhere))
 main.command("list-adapter-formats", help="Adapter file formats.")(
     _list_kind("adapter_format", ["description"], lambda s: {"description": s.description}))
 
@@ -126,8 +141,11 @@ def train(config_path, frontend, overrides):
     """Train the LoRA adapter described by CFG.yaml with a frontend (KEY=VALUE overrides keys)."""
     from ..config import load_config
     from ..frontends import run_frontend
+    from ..frontends.environments import hand_over
 
     cfg = load_config(config_path, overrides)
+    if frontend not in get_registry().specs("frontend"):  # installed in an environment of its own?
+        hand_over(frontend, ["train", config_path, "--frontend", frontend, *overrides])
     summary = run_frontend(frontend, cfg)
     click.echo(json.dumps(summary, indent=2, default=str))
 

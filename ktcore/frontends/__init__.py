@@ -15,7 +15,11 @@ def missing_packages(spec: FrontendSpec) -> list[str]:
 
 
 def resolve_frontend(name: str) -> FrontendSpec:
+    from .environments import not_set_up
+
     registry = get_registry()
+    if name not in registry.specs("frontend") and (how := not_set_up(name)):
+        raise PluginError(how)
     unavailable = {n: f"needs {', '.join(m)}: pip install {' '.join(m)} (or the frontend's wheel, ktcore-{n})"
                    for n, s in registry.specs("frontend").items() if (m := missing_packages(s))}
     return registry.get("frontend", name, unavailable)
