@@ -13,6 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from ..outputs import output_path
 from ..plugins import get_registry
 from ..specs import AdapterFormatSpec, import_object
 from .canonical import Adapter, AdapterError
@@ -67,13 +68,17 @@ def load(path, base=None) -> Adapter:
     return get_format(sniff(path)).load(path, base=base)
 
 
-def convert(src, dst, to: str = "peft", base=None) -> dict:
-    """Read ``src`` (format sniffed), write ``dst`` in format ``to``; returns a summary."""
+def convert(src, dst, to: str = "peft", base=None, overwrite: bool = False) -> dict:
+    """Read ``src`` (format sniffed), write ``dst`` in format ``to``; returns a summary. ``dst`` must be new or
+    empty, or an earlier output of ``ktcore adapter convert`` replaced with ``overwrite``
+    (``ktcore.outputs.output_path``); a single-file format recognises its own files with the optional
+    ``written_by_ktcore(path)`` method."""
     src = local_adapter_path(src)
     source = sniff(src)
     target = get_format(to)
     adapter = get_format(source).load(src, base=base)
-    target.save(adapter, dst, base=base)
+    with output_path(dst, "adapter convert", overwrite, getattr(target, "written_by_ktcore", None)) as stage:
+        target.save(adapter, stage, base=base)
     return {"from": source, "to": to, "src": str(src), "dst": str(dst), "r": adapter.r, "alpha": adapter.alpha,
             "linear": len(adapter.linear), "experts": len(adapter.experts)}
 

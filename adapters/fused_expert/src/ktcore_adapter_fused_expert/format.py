@@ -30,6 +30,7 @@ from ktcore.adapters.canonical import (PEFT_PREFIX, Adapter, AdapterError, fuse_
                                        peft_state, split_expert_parts, uniform_rank)
 from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base, safetensors_header
 from ktcore.files import atomic_dir, atomic_write_bytes, sha256_file
+from ktcore.outputs import MARKER as OUTPUT_MARKER
 
 MANIFEST = "kt_adapter_manifest.json"
 EXPERTS_FILE = "fused_expert_lora.safetensors"
@@ -160,6 +161,7 @@ class Format:
                                    f"{str(meta.get('sha256'))[:16]}...: the file was tampered with or corrupted; "
                                    "convert the adapter again")
         allowed = {MANIFEST} | set(files) if folder.resolve() == root else {MANIFEST}
+        allowed.add(OUTPUT_MARKER)  # `ktcore adapter convert`'s marker (ktcore.outputs): whose output this is
         for place in {root, folder.resolve()}:
             for entry in sorted(place.iterdir()):
                 if entry.name in allowed or (place != root and entry.name in files):
