@@ -187,3 +187,34 @@ def test_kills_during_adapter_convert_leave_the_old_or_the_new_adapter(base_and_
     kill_at_every_step(make, dst, refs, steps)
     kill_at_every_step(make, dst, refs, ["replace:moved-old"], no_swap=True)
     assert ktcore("adapter", "verify", dst).returncode == 0
+
+
+def test_kills_during_convert_leave_no_partial_gguf(tmp_path):
+    """``ktcore convert``: killed before its rename, the output is absent (or the earlier one intact), never a
+    partial GGUF; the next run removes the killed run's temp file and writes it whole."""
+    pytest.importorskip("gguf")
+    from archs import tiny_model
+    from test_gguf import write_gguf
+
+    from ktcore.plugins.select import resolve_backend
+    from ktcore.weights.gguf_reader import GGUFFile
+
+    why = resolve_backend("llamafile").reasons.get("llamafile", "not installed")
+    if why is not None and not why.startswith("usable"):
+        pytest.skip(f"ktcore convert needs the llamafile backend's converter: {why}")
+    src = tmp_path / "m.gguf"
+    write_gguf(tiny_model("mixtral", seed=4), "mixtral", src)
+    out = tmp_path / "out"
+    dst = out / "m.q8_0.gguf"
+    killed = ktcore("convert", src, "--format", "q8_0", "--out", out, fault="atomic_file:written")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not dst.exists() and len(temp_siblings(dst)) == 1  # the whole temp file, under ktcore's temp name
+    done = ktcore("convert", src, "--format", "q8_0", "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not temp_siblings(dst)
+    experts = json.loads(done.stdout)["experts"]
+    with GGUFFile(dst) as f:  # whole: every converted tensor is there, in the type the converter chose
+        assert experts and all(f.type_name(name) == kind.upper() for name, kind in experts.items())
+    whole = tree(dst)
+    killed = ktcore("convert", src, "--format", "q8_0", "--out", out, fault="atomic_file:written")
+    assert killed.returncode == -signal.SIGKILL and tree(dst) == whole
