@@ -27,6 +27,7 @@ from ktcore.commands.cli import main
 from ktcore.files import FAULT_ENV, sha256_file
 from ktcore.outputs import MARKER
 
+pytestmark = pytest.mark.slow
 NO_SWAP = "import ktcore.files as f; f.exchange = lambda a, b: False; from ktcore.commands.cli import main; main()"
 
 
