@@ -145,3 +145,25 @@ def test_a_kill_inside_publish_never_costs_the_checkpoint(tmp_path, swap, step):
     assert problem(out / "checkpoint-3") is None
     assert (out / "checkpoint-3" / "adapter_model.safetensors").read_bytes() == b"new"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3"]
+
+
+def test_resume_at_the_end_of_an_epoch_run_trains_nothing(tmp_path, model_dir, shared_data):
+    """Without max_steps the run's end is its epochs: a resume from the last checkpoint trains nothing, one asking
+    for more epochs trains on."""
+    out = tmp_path / "run"
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(dict(
+        model_name_or_path=str(model_dir), stage="sft", lora_target="all", lora_rank=8, dataset_dir=str(shared_data),
+        dataset="identity", max_samples=4, template="default", cutoff_len=64, output_dir=str(out),
+        per_device_train_batch_size=2, num_train_epochs=1.5, save_steps=1, logging_steps=1, seed=0, use_kt=True,
+        kt_config={"kt_backend": "torch"})))
+    first = ktcore("train", config, "--frontend", "trl")
+    assert first.returncode == 0, first.stderr[-3000:]
+    steps = json.loads(first.stdout[first.stdout.index("{"):])["steps"]
+    resumed = ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout[resumed.stdout.index("{"):]).get("nothing_to_train"), resumed.stderr[-3000:]
+    more = ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true",
+                  "num_train_epochs=3")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert json.loads(more.stdout[more.stdout.index("{"):])["steps"] > steps

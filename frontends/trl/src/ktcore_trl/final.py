@@ -12,6 +12,7 @@ config); a resume of the finished run then writes the final adapter from the las
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -69,8 +70,8 @@ def final_step(checkpoint, cfg) -> Optional[int]:
         return None
     if cfg.max_steps and cfg.max_steps > 0:
         planned = cfg.max_steps
-    elif float(state.get("num_train_epochs") or 0) != float(cfg.num_train_epochs):
-        return None  # more (or fewer) epochs asked for than the checkpoint's run planned
+    elif float(state.get("num_train_epochs") or 0) not in (cfg.num_train_epochs, math.ceil(cfg.num_train_epochs)):
+        return None  # more (or fewer) epochs asked for than the checkpoint's run planned (transformers rounds up)
     return step if step >= planned else None
 
 
