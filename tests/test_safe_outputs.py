@@ -23,7 +23,9 @@ import torch
 from click.testing import CliRunner
 from ktcore_tiny import tiny_qwen3_moe
 
+from ktcore.adapters import get_format, load
 from ktcore.commands.cli import main
+from ktcore.errors import KtcoreError
 from ktcore.files import FAULT_ENV, sha256_file
 from ktcore.outputs import MARKER
 
@@ -99,6 +101,8 @@ def test_a_users_directory_survives_export_and_adapter_convert(base_and_adapters
     one_error_line(ktcore("export", root / "A.yaml", "--out", mine, "--overwrite"), str(mine), "not written by")
     for to in ("peft", "fused_expert"):
         one_error_line(ktcore("adapter", "convert", root / "A", mine, "--to", to, "--overwrite"), str(mine))
+    with pytest.raises(KtcoreError):  # nor does a format's save called from Python (config.json is no adapter)
+        get_format("peft").save(load(root / "A"), mine)
     assert tree(mine) == before
     # a single-file output: a user's file of that name (even a GGUF) is not replaced either
     model_file = tmp_path / "model.gguf"

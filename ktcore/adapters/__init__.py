@@ -37,9 +37,9 @@ def get_format(name: str):
 
 
 def known_files() -> tuple[str, ...]:
-    """File names that mark a directory as an artifact ktcore may replace: every installed format's, and a
-    model's config.json."""
-    return tuple(sorted({name for spec in _specs().values() for name in spec.files} | {"config.json"}))
+    """File names that mark a directory as an adapter a format's ``save`` may replace: every installed format's
+    (never a model's config.json: a user's project holds one too)."""
+    return tuple(sorted({name for spec in _specs().values() for name in spec.files}))
 
 
 def _claims(spec: AdapterFormatSpec, path: Path) -> bool:
