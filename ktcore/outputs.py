@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import KtcoreError
-from .files import atomic_write_bytes, fault_point, fsync_path, fsync_tree, recover, remove_path, replace_path, temp_prefix
+from .files import (atomic_write_bytes, fault_point, fsync_path, fsync_tree, recover, remove_path, replace_path,
+                    temp_prefix)
 
 MARKER = ".ktcore-output.json"
 
