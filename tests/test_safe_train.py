@@ -168,3 +168,27 @@ def test_resume_at_the_end_of_an_epoch_run_trains_nothing(tmp_path, model_dir, s
                   "num_train_epochs=3")
     assert more.returncode == 0, more.stderr[-3000:]
     assert json.loads(more.stdout[more.stdout.index("{"):])["steps"] > steps
+
+
+def test_a_new_final_save_removes_only_the_files_the_last_one_wrote(tmp_path, model_dir):
+    """A second save_adapter into output_dir: files of the first save it does not write again (here the chat
+    template: left behind it would change how ``ktcore chat`` formats prompts) go, a user's file stays."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ktcore_trl.final import save_adapter
+
+    out = tmp_path / "run"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    save_adapter(model, tokenizer, out)
+    templates = [p.name for p in out.iterdir() if "chat_template" in p.name]
+    assert templates, sorted(p.name for p in out.iterdir())  # the tokenizer wrote its template as a file
+    (out / "notes.md").write_text("mine")
+    tokenizer.chat_template = None
+    save_adapter(model, tokenizer, out)
+    assert not [p.name for p in out.iterdir() if "chat_template" in p.name]
+    assert (out / "notes.md").read_text() == "mine" and (out / "adapter_config.json").is_file()
+    assert not [p.name for p in out.iterdir() if ".ktcore-" in p.name and p.name != ".ktcore-output.json"]

@@ -6,7 +6,9 @@ Instead ``adapter_config.json`` (what makes a directory a PEFT adapter for PEFT,
 ``ktcore chat``) is the commit point: the new files are written and fsynced in a temp directory, the old
 ``adapter_config.json`` is removed, the other files are moved in, and the new ``adapter_config.json`` last. A kill
 at any point leaves the old adapter whole, the new one whole, or no adapter (never new weights beside an old
-config); a resume of the finished run then writes the final adapter from the last checkpoint.
+config); a resume of the finished run then writes the final adapter from the last checkpoint. ktcore's marker
+(``.ktcore-output.json``, command ``train``) lists the files of the save, so the next save removes those it does not
+write again (a stale chat template would change how ``ktcore chat`` formats prompts) and nothing else.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ktcore.files import clean_leftovers, fault_point, fsync_path, sha256_file, temp_prefix
+from ktcore.files import atomic_write_bytes, clean_leftovers, fault_point, fsync_path, sha256_file, temp_prefix
+from ktcore.outputs import MARKER
 
 from .checkpoints import MANIFEST
 
@@ -34,14 +37,36 @@ def _staging(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=temp_prefix(out / "adapter"), dir=out))
 
 
+def _published(out: Path) -> set[str]:
+    """The files the previous final save in ``out`` listed in its marker (``ktcore.outputs.MARKER``): what ktcore
+    wrote there, so what it may remove."""
+    try:
+        data = json.loads((out / MARKER).read_text(encoding="utf-8"))
+        files = data["files"] if data.get("command") == "train" else []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+    return {f for f in files if isinstance(f, str) and "/" not in f and f not in (".", "..", MARKER)} \
+        if isinstance(files, list) else set()
+
+
 def publish_files(staged: Path, out: Path) -> None:
-    """Move the (fsynced) files of ``staged`` into ``out``, ``adapter_config.json`` removed first, moved in last."""
+    """Move the (fsynced) files of ``staged`` into ``out``: ``adapter_config.json`` removed first (and the files
+    of the previous save that this one does not write, e.g. an old chat template), moved in last; the marker lists
+    the new files."""
+    names = sorted(p.name for p in staged.iterdir() if p.is_file())
+    stale = _published(out) - set(names)
     (out / COMMIT).unlink(missing_ok=True)
     fsync_path(out)
     fault_point("save_adapter:old-config-removed")
-    for path in sorted((p for p in staged.iterdir() if p.is_file()), key=lambda p: p.name == COMMIT):
-        os.replace(path, out / path.name)
-        fault_point("save_adapter:file-moved")
+    for name in sorted(stale):
+        if (out / name).is_file() and not (out / name).is_symlink():
+            (out / name).unlink()
+    for name in names:
+        if name != COMMIT:
+            os.replace(staged / name, out / name)
+            fault_point("save_adapter:file-moved")
+    atomic_write_bytes(out / MARKER, json.dumps({"command": "train", "complete": True, "files": names}).encode())
+    os.replace(staged / COMMIT, out / COMMIT)
     fsync_path(out)
 
 
