@@ -6,8 +6,8 @@ ktcore supplies the model (routed experts in the CPU backend when ``use_kt: true
 Order of work, so that bad input fails fast: validate the config and read every dataset file -> load the
 tokenizer and tokenize (template and cutoff_len checks) -> only then load the model.
 
-The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter``) are shared by both
-stages. ``KtTrainerMixin`` adds what both trainers need on top of TRL: exact per-step records (loss, tokens,
+The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter`` from ``final.py``) are shared
+by both stages. ``KtTrainerMixin`` adds what both trainers need on top of TRL: exact per-step records (loss, tokens,
 DPO rewards: ``ktcore.frontends.skeleton.StepRecorder``), crash-safe checkpoints (``checkpoints.py``) and the
 progress bar (``report.py``). The summary is the skeleton's ``run_summary``, as for every frontend.
 
@@ -307,9 +307,6 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
                      router_aux_loss_coef=0.0)
     return KtDPOTrainer(model=model, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks), peft_config=peft_config)
-
-# ---- outputs -------------------------------------------------------------------------------------------------
-
 
 # ---- entry ---------------------------------------------------------------------------------------------------
 
