@@ -458,7 +458,7 @@ def test_chat_with_identity_adapter_answers_with_the_name(identity_run):
 def test_convert_never_replaces_an_unrelated_directory(trained, tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "thesis.tex").write_text("precious")
-    with pytest.raises(KtcoreError, match="holds something other"):
+    with pytest.raises(KtcoreError, match="was not written by `ktcore adapter convert`"):
         core.convert(trained / "peft", tmp_path / "docs", "fused_expert")
     assert (tmp_path / "docs" / "thesis.tex").read_text() == "precious"
 

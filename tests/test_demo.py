@@ -45,3 +45,17 @@ def test_demo_cli_rebuild_is_reused(tmp_path):
     assert (second["model_dir"] / "config.json").stat().st_mtime_ns == stamp
     cfg = load_config(second["config"], quiet=True)
     assert cfg.max_steps == 7 and cfg.use_kt and cfg.model_name_or_path == str(first["model_dir"])
+
+
+def test_demo_never_replaces_a_model_directory_it_did_not_write(tmp_path):
+    """`ktcore demo --workdir W` with a user's W/model (no config.json, so not a finished demo model): refused in
+    one line, the directory untouched (it used to be deleted and rebuilt)."""
+    from click.testing import CliRunner
+
+    from ktcore.commands.cli import main
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "notes.md").write_text("mine")
+    run = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path)])
+    assert run.exit_code == 2 and "not written by `ktcore demo`" in run.output, run.output
+    assert [p.name for p in (tmp_path / "model").iterdir()] == ["notes.md"]

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # bottom first; a module may import from its own layer and the ones before it (and the root package's API)
 LAYERS = [
-    ("errors", "specs", "files"),
+    ("errors", "specs", "files", "outputs"),
     ("plugins",),
     ("experts",),
     ("model",),

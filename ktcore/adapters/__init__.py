@@ -13,6 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from ..outputs import output_path
 from ..plugins import get_registry
 from ..specs import AdapterFormatSpec, import_object
 from .canonical import Adapter, AdapterError
@@ -37,9 +38,9 @@ def get_format(name: str):
 
 
 def known_files() -> tuple[str, ...]:
-    """File names that mark a directory as an artifact ktcore may replace: every installed format's, and a
-    model's config.json."""
-    return tuple(sorted({name for spec in _specs().values() for name in spec.files} | {"config.json"}))
+    """File names that mark a directory as an adapter a format's ``save`` may replace: every installed format's
+    (never a model's config.json: a user's project holds one too)."""
+    return tuple(sorted({name for spec in _specs().values() for name in spec.files}))
 
 
 def _claims(spec: AdapterFormatSpec, path: Path) -> bool:
@@ -76,13 +77,17 @@ def load(path, base=None) -> Adapter:
     return _checked(get_format(sniff(path)), path, base)[0]
 
 
-def convert(src, dst, to: str = "peft", base=None) -> dict:
-    """Read ``src`` (format sniffed), write ``dst`` in format ``to``; returns a summary."""
+def convert(src, dst, to: str = "peft", base=None, overwrite: bool = False) -> dict:
+    """Read ``src`` (format sniffed), write ``dst`` in format ``to``; returns a summary. ``dst`` must be new or
+    empty, or an earlier output of ``ktcore adapter convert`` replaced with ``overwrite``
+    (``ktcore.outputs.output_path``); a single-file format recognises its own files with the optional
+    ``written_by_ktcore(path)`` method."""
     src = local_adapter_path(src)
     source = sniff(src)
     target = get_format(to)
     adapter = _checked(get_format(source), src, base)[0]
-    target.save(adapter, dst, base=base)
+    with output_path(dst, "adapter convert", overwrite, getattr(target, "written_by_ktcore", None)) as stage:
+        target.save(adapter, stage, base=base)
     return {"from": source, "to": to, "src": str(src), "dst": str(dst), "r": adapter.r, "alpha": adapter.alpha,
             "linear": len(adapter.linear), "experts": len(adapter.experts)}
 

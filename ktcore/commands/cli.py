@@ -193,11 +193,12 @@ def adapter():
 @click.argument("dst", metavar="DST")
 @click.option("--to", "to", default="peft", show_default=True, help="target format (peft, fused_expert, gguf, ...)")
 @click.option("--base", default=None, help="local base model (default: the adapter's base_model_name_or_path)")
-def adapter_convert(src, dst, to, base):
+@click.option("--overwrite", is_flag=True, help="replace DST when it is an earlier output of this command")
+def adapter_convert(src, dst, to, base, overwrite):
     """Convert the adapter SRC (format sniffed) into DST in format --to."""
     from ..adapters import convert
 
-    click.echo(json.dumps(convert(src, dst, to, base=base), indent=2))
+    click.echo(json.dumps(convert(src, dst, to, base=base, overwrite=overwrite), indent=2))
 
 
 @adapter.command("verify")
@@ -218,13 +219,15 @@ def adapter_verify(path, base):
 @click.argument("config_path", metavar="CFG.yaml", type=click.Path(dir_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="directory for the merged model")
 @click.option("--shard-size", default=2.0, show_default=True, help="largest shard in GiB")
+@click.option("--overwrite", is_flag=True, help="replace DIR when it is an earlier output of ktcore export")
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
-def export_cmd(config_path, out, shard_size, overrides):
+def export_cmd(config_path, out, shard_size, overwrite, overrides):
     """Merge adapter_name_or_path into model_name_or_path as a standalone safetensors model."""
     from ..config import load_config
     from .export import export_merged
 
-    summary = export_merged(load_config(config_path, overrides), out, max_shard_bytes=int(shard_size * (1 << 30)))
+    summary = export_merged(load_config(config_path, overrides), out, max_shard_bytes=int(shard_size * (1 << 30)),
+                            overwrite=overwrite)
     click.echo(json.dumps(summary, indent=2))
 
 

@@ -16,15 +16,15 @@ after, with the loss going down.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 import yaml
+
+from ..files import atomic_write_bytes
+from ..outputs import output_path
 
 TASK_LETTERS = "abcdefghij"
 TASK_LENGTH = 5
@@ -107,9 +107,7 @@ def reverse_task(n_train: int, n_test: int, seed: int = 0, letters: str = TASK_L
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, json.dumps(obj, indent=1).encode())
 
 
 def build_demo_files(workdir, steps: int = DEFAULT_STEPS, seed: int = 0, n_train: int = 2000, n_test: int = 16,
@@ -121,12 +119,11 @@ def build_demo_files(workdir, steps: int = DEFAULT_STEPS, seed: int = 0, n_train
     if not (model_dir / "config.json").is_file() or not (model_dir / "tokenizer.json").is_file():
         tokenizer = build_byte_tokenizer()
         model = build_tiny_moe(tokenizer, seed=seed)
-        tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=workdir))  # built aside, renamed when complete
-        tmp.chmod(0o755)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(model_dir, ignore_errors=True)
-        os.replace(tmp, model_dir)
+        # built aside and put in place when complete; a model/ directory the demo did not write is refused
+        with output_path(model_dir, "demo", overwrite=True) as tmp:
+            tmp.mkdir(mode=0o755)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     data_dir.mkdir(exist_ok=True)
     train, test = reverse_task(n_train, n_test, seed=seed)
     _write_json(data_dir / "reverse_train.json", train)
@@ -138,9 +135,7 @@ def build_demo_files(workdir, steps: int = DEFAULT_STEPS, seed: int = 0, n_train
                output_dir=str(workdir / "adapter"), max_steps=steps, overwrite_output_dir=True, seed=seed)
     cfg.update(yaml_overrides)
     config_path = workdir / "demo.yaml"
-    tmp = config_path.with_name("demo.yaml.tmp")
-    tmp.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
-    os.replace(tmp, config_path)
+    atomic_write_bytes(config_path, yaml.safe_dump(cfg, sort_keys=False).encode())
     return {"workdir": workdir, "model_dir": model_dir, "data_dir": data_dir, "config": config_path,
             "test": test, "train": train}
 

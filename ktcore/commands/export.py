@@ -5,7 +5,8 @@ that plain ``AutoModelForCausalLM.from_pretrained`` loads. It is streamed: base 
 checkpoint one at a time, the LoRA delta ``scaling * B @ A`` (computed in fp32) is added to the tensors it
 targets, and shards are written as they fill, so host memory stays near one shard plus one tensor however big
 the model is. Routed experts keep the checkpoint's own layout (per-expert ``experts.N.gate_proj.weight`` keys or
-the fused ``gate_up_proj``). Everything is written into a temp directory that is renamed into place when done.
+the fused ``gate_up_proj``). Everything is written into a temp directory that is put in place when done
+(``ktcore.outputs.output_path``: never over a directory ktcore's export did not write).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import json
 import shutil
 from pathlib import Path
 
-from ..adapters import known_files, load
+from ..adapters import load
 from ..adapters.canonical import AdapterError, layer_of
-from ..files import atomic_dir, atomic_write_bytes
+from ..files import atomic_write_bytes, fault_point
+from ..outputs import output_path
 
 SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
@@ -69,8 +71,9 @@ def _plan(adapter, arch, ckpt, names: dict, meta_model) -> dict:
     return plan
 
 
-def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None) -> dict:
-    """Merge ``cfg.adapter_name_or_path`` into ``cfg.model_name_or_path`` and write the model to ``out``."""
+def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None, overwrite: bool = False) -> dict:
+    """Merge ``cfg.adapter_name_or_path`` into ``cfg.model_name_or_path`` and write the model to ``out``
+    (an earlier export there is replaced only with ``overwrite``)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -99,7 +102,8 @@ def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None) -> dic
     dense_dtype = getattr(torch, str(config_json.get("dtype") or config_json.get("torch_dtype") or "float32"))
 
     written, merged = 0, 0
-    with SafetensorsCheckpoint(base, fp8_block) as ckpt, atomic_dir(out, known_files()) as tmp:
+    with SafetensorsCheckpoint(base, fp8_block) as ckpt, output_path(out, "export", overwrite) as tmp:
+        tmp.mkdir()
         plan = _plan(adapter, arch, ckpt, checkpoint_names(ckpt, arch), meta_model)
         shards, shard, shard_bytes, index = [], {}, 0, {}
 
@@ -138,6 +142,7 @@ def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None) -> dic
             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         for (name, keys), target in zip(shards, final):
             (tmp / name).rename(tmp / target)
+            fault_point("export:shard-renamed")
             index.update({k: target for k in keys})
         if len(shards) > 1:
             atomic_write_bytes(tmp / "model.safetensors.index.json", json.dumps(

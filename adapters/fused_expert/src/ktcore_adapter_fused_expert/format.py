@@ -31,6 +31,7 @@ from ktcore.adapters.canonical import (PEFT_PREFIX, Adapter, AdapterError, fuse_
 from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base, safetensors_header
 from ktcore.adapters.integrity import check_file, file_record
 from ktcore.files import atomic_dir, atomic_write_bytes
+from ktcore.outputs import MARKER as OUTPUT_MARKER
 
 MANIFEST = "kt_adapter_manifest.json"
 EXPERTS_FILE = "fused_expert_lora.safetensors"
@@ -154,6 +155,7 @@ class Format:
         for name, meta in files.items():
             check_file(folder / name, meta, mfile)
         allowed = {MANIFEST} | set(files) if folder.resolve() == root else {MANIFEST}
+        allowed.add(OUTPUT_MARKER)  # `ktcore adapter convert`'s marker (ktcore.outputs): whose output this is
         for place in {root, folder.resolve()}:
             for entry in sorted(place.iterdir()):
                 if entry.name in allowed or (place != root and entry.name in files):

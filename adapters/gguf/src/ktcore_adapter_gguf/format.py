@@ -245,6 +245,14 @@ class Format:
             write(tmp, {INTEGRITY: json.dumps(record, sort_keys=True)})
         return dst
 
+    def written_by_ktcore(self, path) -> bool:
+        """Whether ``path`` is a GGUF LoRA this format wrote (it has ktcore's tensor_map metadata): the one kind of
+        file ``ktcore adapter convert --to gguf --overwrite`` may replace."""
+        try:
+            return _field(_gguf().GGUFReader(str(path)), META + "tensor_map") is not None
+        except Exception:  # noqa: BLE001 - not a readable GGUF: not ours
+            return False
+
     # ---- reading -------------------------------------------------------------------------------------------
     def _read(self, path, base=None):
         import torch

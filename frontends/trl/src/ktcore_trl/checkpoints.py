@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ktcore.config import ConfigError
-from ktcore.files import atomic_write_bytes, fsync_path, sha256_file
+from ktcore.files import atomic_write_bytes, fsync_path, replace_path, sha256_file
 
 MANIFEST = "ktcore_checkpoint.json"
 PREFIX = "checkpoint"
@@ -39,16 +39,9 @@ def seal(staging: Path, step: int) -> None:
 
 
 def publish(staging: Path, final: Path) -> None:
-    """Rename a sealed staging directory to its final name (replacing an older checkpoint of that step)."""
-    if final.exists():
-        trash = final.with_name(f"{STAGING_PREFIX}old-{final.name}")
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(final, trash)
-        os.replace(staging, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staging, final)
-    fsync_path(final.parent)
+    """Put a sealed staging directory at its final name; an older checkpoint of that step is removed only once the
+    new one is in place (``ktcore.files.replace_path``)."""
+    replace_path(staging, final, final.with_name(f"{STAGING_PREFIX}old-{final.name}"))
 
 
 def problem(checkpoint: Path) -> Optional[str]:
@@ -84,14 +77,28 @@ def checkpoints(output_dir) -> list[tuple[int, Path]]:
 
 
 def clean_staging(output_dir) -> None:
-    """Remove leftovers of saves that were interrupted (``.tmp-checkpoint-*``)."""
+    """Remove leftovers of saves that were interrupted (``.tmp-checkpoint-*``, ``.tmp-old-checkpoint-*``). Where a
+    kill inside ``publish`` left ``checkpoint-N`` missing, a complete copy of it (the new one, else the old) is
+    put back first; a complete copy is never deleted while ``checkpoint-N`` is missing."""
     out = Path(output_dir)
-    if out.is_dir():
-        for path in out.iterdir():
-            if path.is_dir() and path.name.startswith(STAGING_PREFIX + PREFIX):
-                shutil.rmtree(path, ignore_errors=True)
-            elif path.is_dir() and path.name.startswith(f"{STAGING_PREFIX}old-{PREFIX}"):
-                shutil.rmtree(path, ignore_errors=True)
+    if not out.is_dir():
+        return
+    for path in sorted(out.iterdir()):
+        m = re.match(rf"^{re.escape(STAGING_PREFIX)}(?:old-)?({PREFIX}-\d+)$", path.name)
+        if not (m and path.is_dir()):
+            continue
+        final = out / m.group(1)
+        copies = [out / f"{STAGING_PREFIX}{final.name}" / final.name, out / f"{STAGING_PREFIX}old-{final.name}"]
+        if not final.exists():
+            for copy in copies:
+                if copy.is_dir() and problem(copy) is None:
+                    os.replace(copy, final)
+                    fsync_path(out)
+                    print(f"ktcore: put back {final.name} from {copy.relative_to(out)} (a save was cut short)",
+                          file=sys.stderr)
+                    break
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def resolve_resume(value, output_dir, where: str) -> Optional[str]:

@@ -6,8 +6,8 @@ ktcore supplies the model (routed experts in the CPU backend when ``use_kt: true
 Order of work, so that bad input fails fast: validate the config and read every dataset file -> load the
 tokenizer and tokenize (template and cutoff_len checks) -> only then load the model.
 
-The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter``) are shared by both
-stages. ``KtTrainerMixin`` adds what both trainers need on top of TRL: exact per-step records (loss, tokens,
+The pieces (``load_base_model``, ``attach_lora``, ``trainer_kwargs``, ``save_adapter`` from ``final.py``) are shared
+by both stages. ``KtTrainerMixin`` adds what both trainers need on top of TRL: exact per-step records (loss, tokens,
 DPO rewards: ``ktcore.frontends.skeleton.StepRecorder``), crash-safe checkpoints (``checkpoints.py``) and the
 progress bar (``report.py``). The summary is the skeleton's ``run_summary``, as for every frontend.
 
@@ -29,19 +29,17 @@ run once forward and keep (retain) or recompute (recompute) their own activation
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from ktcore.adapters.integrity import PEFT_FILES, write_sidecar
 from ktcore.model.checkpointing import checkpoint_non_experts
 from ktcore.config import ConfigError, TrainConfig
 from ktcore.frontends.skeleton import (StepRecorder, check_model_and_adapter, count_parameters, describe_parameters,
                                        run_summary, training_arguments)
 
 from . import data
+from .final import finish_without_training, save_adapter  # noqa: F401 - save_adapter: part of this module's API
 
 PREF_LOSSES = {"sigmoid": "sigmoid", "ipo": "ipo", "hinge": "hinge"}  # YAML pref_loss -> TRL loss_type
 
@@ -315,35 +313,16 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
     return KtDPOTrainer(model=model, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks), peft_config=peft_config)
 
-# ---- outputs -------------------------------------------------------------------------------------------------
-
-
-def save_adapter(model, tokenizer, output_dir) -> None:
-    """PEFT's own save_pretrained, written to a temp dir first and renamed into place file by file."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        write_sidecar(tmp, PEFT_FILES)  # SHA-256 of the weights and config, checked on every load
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(path, out / path.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 # ---- entry ---------------------------------------------------------------------------------------------------
 
 
 def prepare(cfg: TrainConfig):
     """(tokenizer, dataset, resume checkpoint) for the configured stage: every check that needs no model."""
-    from .checkpoints import resolve_resume
+    from .checkpoints import clean_staging, resolve_resume
 
     check_config(cfg)
     data.resolve_template(cfg)  # an unknown template name fails before anything is read
+    clean_staging(cfg.output_dir)  # leftovers of a checkpoint save that was killed (a complete copy is put back)
     resume = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, cfg.where)
     examples = data.load_examples(cfg, ranking=cfg.stage == "dpo")
     tokenizer = load_tokenizer(cfg)
@@ -381,11 +360,12 @@ def run(cfg: TrainConfig, callbacks=()) -> dict:
     """Train the LoRA adapter the YAML describes; returns the summary printed by ``ktcore train``."""
     import sys
 
-    from .checkpoints import clean_staging
     from .report import plot_training
 
     tokenizer, dataset, resume = prepare(cfg)
-    clean_staging(cfg.output_dir)  # leftovers of a save that was killed
+    done = finish_without_training(cfg, resume)
+    if done is not None:
+        return done
     trainer, params = build_trainer(cfg, tokenizer, dataset, callbacks)
     print(describe_parameters(params) + (f"; resuming from {resume}" if resume else ""), file=sys.stderr)
     start = time.perf_counter()
