@@ -18,7 +18,7 @@ LAYERS = [
     ("config",),
     ("adapters",),
     ("frontends",),
-    ("commands", "builtin", "testing"),
+    ("commands", "builtin", "testing", "__main__"),
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
