@@ -71,7 +71,7 @@ def atomic_dir(dst, replaces: Iterable[str]):
         for f in tmp.rglob("*"):
             if f.is_file():
                 fsync_path(f)
-        tmp.chmod(0o755)
+        usual_modes(tmp)
         old = None
         if dst.exists():
             old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
@@ -91,3 +91,12 @@ def sha256_file(path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def usual_modes(root) -> None:
+    """Give every file under ``root`` mode 0644 and every directory 0755, as ``atomic_file`` does: writers that
+    go through a temp file (safetensors' ``save_file``, ``mkstemp``) leave 0600, unreadable to the group."""
+    root = Path(root)
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)

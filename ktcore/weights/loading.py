@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..experts import ExpertLayer
 from ..model.wrap import activation_name, finish, install_layer, install_resident, plan_placement, prepare
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
+from .model_path import record_base
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights
 
 if TYPE_CHECKING:  # parsed at the edge (ktcore.load_model) and handed down
@@ -160,4 +161,5 @@ def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backwar
         fill_model(model, kt, lambda m, arch: GGUFWeights(file, m, arch), path=path, dtype=dtype,
                    device=device, need_backward=need_backward, progress=progress)
     model.config.dtype = dtype
+    record_base(model, path)
     return model.eval()
