@@ -29,6 +29,7 @@ from ktcore.adapters import known_files
 from ktcore.adapters.canonical import (PEFT_PREFIX, Adapter, AdapterError, fuse_gate_up, layer_of, peft_config_for,
                                        peft_state, split_expert_parts, uniform_rank)
 from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base, safetensors_header
+from ktcore.adapters.same_base import check_base
 from ktcore.files import atomic_dir, atomic_write_bytes, sha256_file
 
 MANIFEST = "kt_adapter_manifest.json"
@@ -207,12 +208,7 @@ class Format:
         base_path = Path(base) if base is not None else (
             Path(recorded["path"]) if recorded.get("path") and Path(recorded["path"]).exists() else None)
         if base_path is not None:
-            got = base_fingerprint(base_path)
-            if got != recorded.get("fingerprint"):
-                raise AdapterError(f"{path}: made for base model {recorded.get('path')!r} (fingerprint "
-                                   f"{str(recorded.get('fingerprint'))[:23]}...), but {base_path} has fingerprint "
-                                   f"{got[:23]}...: other base model; refusing")
-            checks.append(f"base model {base_path}: fingerprint matches")
+            checks.append(check_base(path, recorded.get("path"), recorded.get("fingerprint"), base_path))
         else:
             checks.append(f"base model {recorded.get('path')!r}: not available here, fingerprint not checked")
         return manifest, folder, checks

@@ -58,10 +58,15 @@ def check_against_base(adapter: Adapter, base) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = Path(base)
-    if base.suffix.lower() == ".gguf":
-        return f"base {base}: GGUF base, shapes not checked"
+    if base.suffix.lower() == ".gguf":  # the config its metadata describes, as ktcore.load_model builds it
+        from ktcore.weights.gguf_reader import GGUFFile, gguf_config
+
+        with GGUFFile(base) as file:
+            config = gguf_config(file)
+    else:
+        config = AutoConfig.from_pretrained(base)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+        model = AutoModelForCausalLM.from_config(config)
     params = dict(model.named_parameters())
     for name, a, b in adapter.tensors():
         if isinstance(name, tuple):
