@@ -58,7 +58,8 @@ def train(workdir: Path, model: str, backend: str, steps: int, **keys) -> dict:
                dataset=pirate_data(workdir / "data"), dataset_dir=str(workdir / "data"), template="default",
                cutoff_len=64, output_dir=str(workdir / "adapter"), per_device_train_batch_size=4,
                learning_rate=3e-3, max_steps=steps, lr_scheduler_type="constant", logging_steps=4,
-               save_steps=steps, seed=0, use_kt=True, kt_config={"kt_backend": backend}, **keys)
+               save_steps=steps, seed=0, use_kt=True, kt_config={"kt_backend": backend})
+    cfg.update(keys)
     (workdir / "train.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
     out = run_cli("train", workdir / "train.yaml", "--frontend", "trl").stdout
     return json.loads(out[out.index("{"):])
@@ -120,3 +121,130 @@ def test_a_missing_package_gguf_is_one_line_exit_2(tmp_path):
     result = run_cli("train", tmp_path / "cfg.yaml", "--frontend", "trl", code=2)
     assert "missing.gguf" in result.output and "does not exist" in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+# ---- a tiny Mixtral GGUF with Q8_0 routed experts -------------------------------------------------------------
+
+
+def copy_tokenizer_metadata(writer, source: Path) -> int:
+    """Every ``tokenizer.*`` key of the GGUF ``source`` into ``writer`` (a real tokenizer for a test model);
+    returns its vocabulary size."""
+    reader = gguf.GGUFReader(str(source))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub)
+    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+
+
+def q8_0_round(t: torch.Tensor) -> torch.Tensor:
+    """What ``t`` is after a trip through Q8_0 blocks (along its last dimension), by gguf's own (de)quantisation."""
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    blocks = gguf.quants.quantize(t.detach().float().contiguous().numpy(), q8)
+    return torch.from_numpy(gguf.quants.dequantize(blocks, q8).copy()).reshape(t.shape)
+
+
+def tiny_mixtral_gguf(path: Path):
+    """(the HF Mixtral the file holds, the file): 2 layers, routed experts in Q8_0 blocks (rounded in the HF
+    model too, the same rows of 32), the rest F32, SmolLM2's tokenizer; written as llama.cpp's converter would."""
+    from archs import tiny_model
+    from test_gguf import GGUF_ARCH, _metadata, gguf_tensors
+
+    vocab = len(gguf.GGUFReader(str(smollm2_gguf())).fields["tokenizer.ggml.tokens"].contents())
+    model = tiny_model("mixtral", seed=0, vocab_size=vocab, hidden_size=64, intermediate_size=32,
+                       max_position_embeddings=256, bos_token_id=None, eos_token_id=None).eval()  # the tokenizer's
+    with torch.no_grad():  # gate_up_proj [E, 2I, H] and down_proj [E, H, I]: rows as in the GGUF blocks
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(q8_0_round(p))
+    writer = gguf.GGUFWriter(path, GGUF_ARCH["mixtral"])
+    _metadata(writer, "mixtral", model.config)
+    copy_tokenizer_metadata(writer, Path(smollm2_gguf()))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, value in gguf_tensors(model, "mixtral"):
+        array = value.detach().float().contiguous().numpy()
+        if "_exps." in name:
+            writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, path
+
+
+def test_tiny_mixtral_gguf_trains_its_q8_0_expert_blocks(tmp_path):
+    """Expert LoRA trained by the llamafile backend from the file's Q8_0 blocks; the adapter, reloaded the way
+    ``ktcore chat`` reloads it on the same file, gives plain transformers + plain PEFT's logits on gguf's own
+    dequantisation of those blocks."""
+    from peft import PeftModel
+
+    from ktcore.commands.chat import load_for_chat
+    from ktcore.config import config_from_dict
+
+    skip_unless_ready()
+    truth, path = tiny_mixtral_gguf(tmp_path / "mixtral.gguf")
+    summary = train(tmp_path, str(path), "llamafile", steps=3, learning_rate=1e-2)
+    assert summary["kt_backend"] == "llamafile" and summary["expert_lora_params"] > 0
+    adapter = tmp_path / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(path.resolve())
+    assert {t.rsplit(".", 1)[-1] for t in config["target_parameters"]} == {"gate_up_proj", "down_proj"}
+
+    cfg = config_from_dict(dict(model_name_or_path=str(path), adapter_name_or_path=str(adapter), use_kt=True,
+                                kt_config={"kt_backend": "llamafile"}), quiet=True)
+    ours, tokenizer = load_for_chat(cfg)
+    layers = ours.get_base_model().ktcore.layers
+    assert len(layers) == 2
+    for layer in layers.values():  # packed zero-copy from the file's blocks, not dequantised
+        assert layer.packed.source is not None
+        assert {p.qtype for p in (layer.packed.gate, layer.packed.up, layer.packed.down)} == \
+            {int(gguf.GGMLQuantizationType.Q8_0)}
+    plain = PeftModel.from_pretrained(truth, str(adapter)).eval()
+    ids = tokenizer("Arr, the capital of Peru be Lima, matey! What is the capital of Chile?",
+                    return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        got, want = ours(ids).logits.float(), plain(ids).logits.float()
+        with plain.disable_adapter():
+            base = plain(ids).logits.float()
+    scale = want.abs().max()
+    error, effect = float((got - want).abs().max() / scale), float((want - base).abs().max() / scale)
+    # measured 2.1e-4: llamafile's int16 activations against fp32 math on the same weights
+    assert error <= 2e-3, (error, effect)
+    assert effect > 20 * error, (error, effect)  # the trained adapter moves them far more (measured 1.2)
+
+
+# ---- an HF folder converted from a GGUF as the adapter's recorded base ---------------------------------------
+
+
+def test_an_hf_copy_of_a_gguf_is_accepted_as_its_base_and_another_gguf_is_not(tmp_path):
+    """An adapter whose recorded base is an HF folder converted from a GGUF (transformers' own GGUF loading) is
+    accepted against that GGUF, the same tensors; against another GGUF of the same shapes, or once the folder is
+    gone, it is refused with the reason."""
+    import shutil
+
+    from archs import tiny_model
+    from peft import LoraConfig, get_peft_model
+    from test_gguf import write_gguf
+    from transformers import AutoModelForCausalLM
+
+    base_gguf, other_gguf = tmp_path / "base.gguf", tmp_path / "other.gguf"
+    write_gguf(tiny_model("llama", seed=0), "llama", base_gguf, f16=True)
+    write_gguf(tiny_model("llama", seed=1), "llama", other_gguf, f16=True)
+    copy = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=base_gguf.name, dtype=torch.float32)
+    copy.hf_quantizer = None  # plain dequantised tensors; transformers refuses to save "GGUF-quantised" ones
+    copy.save_pretrained(tmp_path / "base_hf")
+    peft = get_peft_model(copy, LoraConfig(r=2, target_modules=["q_proj", "gate_proj"], init_lora_weights=False))
+    peft.peft_config["default"].base_model_name_or_path = str(tmp_path / "base_hf")
+    peft.save_pretrained(tmp_path / "peft")
+    adapter = tmp_path / "adapter.gguf"
+    run_cli("adapter", "convert", tmp_path / "peft", adapter, "--to", "gguf")  # records base_hf and its fingerprint
+
+    checks = run_cli("adapter", "verify", adapter, "--base", base_gguf).stdout
+    assert f"base model {base_gguf}: not the recorded {tmp_path / 'base_hf'}, but the same tensors" in checks
+    refused = run_cli("adapter", "verify", adapter, "--base", other_gguf, code=2).output
+    assert "not a conversion of" in refused and "differs" in refused and "refusing" in refused, refused
+    shutil.rmtree(tmp_path / "base_hf")
+    refused = run_cli("adapter", "verify", adapter, "--base", base_gguf, code=2).output
+    assert "is not here to compare tensors with" in refused, refused
