@@ -38,14 +38,30 @@ def record_base(model, path) -> None:
         model.name_or_path = model.config._name_or_path
 
 
-def load_plain_model(path, dtype=None, trust_remote_code: bool = False):
-    """The model with plain transformers (no CPU experts); a ``.gguf`` file's tensors dequantised to ``dtype``."""
+def load_plain_model(path, dtype=None, trust_remote_code: bool = False, **from_pretrained):
+    """The model with plain transformers (no CPU experts); a ``.gguf`` file's tensors dequantised to ``dtype``.
+    ``from_pretrained``: more keywords for transformers (``config=``)."""
     from transformers import AutoModelForCausalLM
 
     name, kwargs = _from_pretrained_args(path)
     extra = {} if dtype is None else {"dtype": dtype}  # None: transformers' own default
+    extra.update(from_pretrained)
     model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs, **extra)
     if kwargs:
         model.hf_quantizer = None  # plain dequantised tensors now; transformers refuses to save "GGUF-quantised" ones
         record_base(model, path)
     return model
+
+
+def write_metadata_dir(path, out) -> Path:
+    """A directory with the config.json and tokenizer files a ``.gguf`` file's metadata describes, and no weights:
+    for code that opens a model by directory (LLaMA-Factory's config and tokenizer loading) while ktcore loads
+    the weights from the file itself. The config is the one ``ktcore.load_model`` builds the model from."""
+    from .gguf_reader import GGUFFile, gguf_config
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with GGUFFile(path) as file:
+        gguf_config(file).save_pretrained(out)
+    load_tokenizer(path).save_pretrained(out)
+    return out
