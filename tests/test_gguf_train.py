@@ -12,6 +12,8 @@ tensors) and another GGUF refused with the reason. (The llama.cpp side of the sa
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import stat
 from pathlib import Path
@@ -126,15 +128,25 @@ def test_a_missing_package_gguf_is_one_line_exit_2(tmp_path):
 # ---- a tiny Mixtral GGUF with Q8_0 routed experts -------------------------------------------------------------
 
 
-def copy_tokenizer_metadata(writer, source: Path) -> int:
-    """Every ``tokenizer.*`` key of the GGUF ``source`` into ``writer`` (a real tokenizer for a test model);
-    returns its vocabulary size."""
-    reader = gguf.GGUFReader(str(source))
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer_metadata(vocab: int = 1024) -> tuple:
+    """SmolLM2's GGUF tokenizer keys (``tokenizer.*``) as (key, value, type, sub-type), cut to its first ``vocab``
+    tokens (special tokens, the 256 bytes, the first merges) and the merges among them: a real byte-level BPE
+    tokenizer for a test model, small enough that opening the file stays fast."""
+    reader = gguf.GGUFReader(str(smollm2_gguf()))
+    out = []
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub)
-    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            value = value[:vocab]
+        out.append([key, value, field.types[0], field.types[1] if len(field.types) > 1 else None])
+    kept = set(next(v for k, v, *_ in out if k == "tokenizer.ggml.tokens"))
+    for entry in out:
+        if entry[0] == "tokenizer.ggml.merges":
+            entry[1] = [m for m in entry[1] if set(m.split(" ")) <= kept and m.replace(" ", "") in kept]
+    return tuple(map(tuple, out))
 
 
 def q8_0_round(t: torch.Tensor) -> torch.Tensor:
@@ -146,11 +158,12 @@ def q8_0_round(t: torch.Tensor) -> torch.Tensor:
 
 def tiny_mixtral_gguf(path: Path):
     """(the HF Mixtral the file holds, the file): 2 layers, routed experts in Q8_0 blocks (rounded in the HF
-    model too, the same rows of 32), the rest F32, SmolLM2's tokenizer; written as llama.cpp's converter would."""
+    model too, the same rows of 32), the rest F32, SmolLM2's tokenizer cut to 1024 tokens; written as llama.cpp's converter would."""
     from archs import tiny_model
     from test_gguf import GGUF_ARCH, _metadata, gguf_tensors
 
-    vocab = len(gguf.GGUFReader(str(smollm2_gguf())).fields["tokenizer.ggml.tokens"].contents())
+    tokenizer = smollm2_tokenizer_metadata()
+    vocab = len(next(value for key, value, *_ in tokenizer if key == "tokenizer.ggml.tokens"))
     model = tiny_model("mixtral", seed=0, vocab_size=vocab, hidden_size=64, intermediate_size=32,
                        max_position_embeddings=256, bos_token_id=None, eos_token_id=None).eval()  # the tokenizer's
     with torch.no_grad():  # gate_up_proj [E, 2I, H] and down_proj [E, H, I]: rows as in the GGUF blocks
@@ -159,7 +172,8 @@ def tiny_mixtral_gguf(path: Path):
                 p.copy_(q8_0_round(p))
     writer = gguf.GGUFWriter(path, GGUF_ARCH["mixtral"])
     _metadata(writer, "mixtral", model.config)
-    copy_tokenizer_metadata(writer, Path(smollm2_gguf()))
+    for key, value, vtype, sub in tokenizer:
+        writer.add_key_value(key, value, vtype, sub)
     q8 = gguf.GGMLQuantizationType.Q8_0
     for name, value in gguf_tensors(model, "mixtral"):
         array = value.detach().float().contiguous().numpy()
@@ -174,7 +188,15 @@ def tiny_mixtral_gguf(path: Path):
     return model, path
 
 
-def test_tiny_mixtral_gguf_trains_its_q8_0_expert_blocks(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory):
+    """(a fresh copy of the HF Mixtral the file holds, the file): written once for this module's tests."""
+    skip_unless_ready()
+    truth, path = tiny_mixtral_gguf(tmp_path_factory.mktemp("tiny_mixtral") / "mixtral.gguf")
+    return lambda: (copy.deepcopy(truth), path)
+
+
+def test_tiny_mixtral_gguf_trains_its_q8_0_expert_blocks(tmp_path, tiny_mixtral):
     """Expert LoRA trained by the llamafile backend from the file's Q8_0 blocks; the adapter, reloaded the way
     ``ktcore chat`` reloads it on the same file, gives plain transformers + plain PEFT's logits on gguf's own
     dequantisation of those blocks."""
@@ -183,9 +205,8 @@ def test_tiny_mixtral_gguf_trains_its_q8_0_expert_blocks(tmp_path):
     from ktcore.commands.chat import load_for_chat
     from ktcore.config import config_from_dict
 
-    skip_unless_ready()
-    truth, path = tiny_mixtral_gguf(tmp_path / "mixtral.gguf")
-    summary = train(tmp_path, str(path), "llamafile", steps=3, learning_rate=1e-2)
+    truth, path = tiny_mixtral()
+    summary = train(tmp_path, str(path), "llamafile", steps=3, learning_rate=1e-2, cutoff_len=192)
     assert summary["kt_backend"] == "llamafile" and summary["expert_lora_params"] > 0
     adapter = tmp_path / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -250,7 +271,7 @@ def test_an_hf_copy_of_a_gguf_is_accepted_as_its_base_and_another_gguf_is_not(tm
     assert "is not here to compare tensors with" in refused, refused
 
 
-def test_dpo_reference_on_a_gguf_base_is_the_file_itself(tmp_path, shared_data):
+def test_dpo_reference_on_a_gguf_base_is_the_file_itself(tmp_path, shared_data, tiny_mixtral):
     """DPO straight from the tiny Mixtral GGUF: TRL's reference pass (every adapter off, expert LoRA included)
     gives plain transformers' log-probabilities on gguf's dequantisation of the file's blocks."""
     from test_trl_dpo import _rel, _sequence_logps
@@ -258,11 +279,10 @@ def test_dpo_reference_on_a_gguf_base_is_the_file_itself(tmp_path, shared_data):
     from ktcore.config import config_from_dict
     from ktcore_trl import train as trl_train
 
-    skip_unless_ready()
-    truth, path = tiny_mixtral_gguf(tmp_path / "mixtral.gguf")
+    truth, path = tiny_mixtral()
     cfg = config_from_dict(dict(model_name_or_path=str(path), stage="dpo", lora_target="all", lora_rank=8,
                                 dataset_dir=str(shared_data), dataset="dpo_en_demo", max_samples=4,
-                                template="default", cutoff_len=48, output_dir=str(tmp_path / "out"),
+                                template="default", cutoff_len=192, output_dir=str(tmp_path / "out"),
                                 per_device_train_batch_size=2, learning_rate=1e-2, max_steps=2,
                                 lr_scheduler_type="constant", logging_steps=100, save_steps=1000, seed=0,
                                 use_kt=True, kt_config={"kt_backend": "llamafile"}), quiet=True)
@@ -274,7 +294,40 @@ def test_dpo_reference_on_a_gguf_base_is_the_file_itself(tmp_path, shared_data):
     error = max(_rel(ref["chosen"], want_chosen), _rel(ref["rejected"], want_rejected))
     trainer.model.eval()
     moved = _rel(_sequence_logps(trainer.model, ref)[0], want_chosen)
-    # measured 5e-7 (llamafile's int16 activations against fp32 on the same weights); the policy moved 4e-3, so a
-    # reference with any LoRA left on would fail
+    print(f"reference vs plain transformers: rel err {error:.2e}; policy moved by {moved:.2e}")
+    # measured 5.6e-7 (llamafile's int16 activations against fp32 on the same weights) while the policy moved by
+    # several 1e-3: a reference with any LoRA left on would fail
     assert error <= 2e-5, (error, moved)
     assert moved > 1e-3, (error, moved)
+
+
+def test_metadata_dir_opens_like_the_gguf(tmp_path, tiny_mixtral):
+    """What the LLaMA-Factory frontend hands LLaMA-Factory for a GGUF: a directory whose config builds the model
+    ``ktcore.load_model`` builds from the file (same logits) and whose tokenizer is the file's."""
+    import ktcore
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ktcore.weights.model_path import load_tokenizer, write_metadata_dir
+
+    _, path = tiny_mixtral()
+    meta = write_metadata_dir(path, tmp_path / "meta")
+    assert not list(meta.glob("*.safetensors"))  # metadata only: the weights stay in the file
+    text = "Arr, the capital of Peru be Lima, matey!"
+    ids = load_tokenizer(path)(text, return_tensors="pt")["input_ids"]
+    assert torch.equal(AutoTokenizer.from_pretrained(meta)(text, return_tensors="pt")["input_ids"], ids)
+    kt = {"kt_backend": "torch"}
+    direct = ktcore.load_model(path, kt, device="cpu", progress=False)
+    via_dir = ktcore.load_model(path, kt, device="cpu", progress=False, hf_config=AutoConfig.from_pretrained(meta))
+    assert via_dir.name_or_path == str(path.resolve())  # what PEFT records as the adapter's base
+    with torch.no_grad():
+        assert torch.equal(direct(ids).logits, via_dir(ids).logits)
+
+
+def test_bench_train_takes_a_gguf_model(tiny_mixtral):
+    _, path = tiny_mixtral()
+    out = run_cli("bench", "train", "--cpu", "--model", path, "--backend", "llamafile", "--steps", "1", "--warmup",
+                  "0", "--tokens", "16", "--kernel-seconds", "0", "--no-expert-lora-off", "--json").stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")][1:]  # after the environment
+    assert len(rows) == 1 and rows[0]["backend"] == "llamafile" and rows[0]["tok_s"] > 0, rows
+    refused = run_cli("bench", "train", "--model", path, "--baseline", code=2).output
+    assert "--baseline times transformers on a model directory" in refused
