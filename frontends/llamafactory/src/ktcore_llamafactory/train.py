@@ -199,7 +199,6 @@ def metadata_dir(cfg: TrainConfig):
         yield write_metadata_dir(path, tmp)
 
 
-
 def _dpo_metrics(trainer) -> dict:
     history = [h for h in trainer.state.log_history if "rewards/accuracies" in h]
     if not history:
