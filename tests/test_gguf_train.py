@@ -156,26 +156,27 @@ def q8_0_round(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks, q8).copy()).reshape(t.shape)
 
 
-def tiny_mixtral_gguf(path: Path):
-    """(the HF Mixtral the file holds, the file): 2 layers, routed experts in Q8_0 blocks (rounded in the HF
-    model too, the same rows of 32), the rest F32, SmolLM2's tokenizer cut to 1024 tokens; written as llama.cpp's converter would."""
+def tiny_gguf(path: Path, family: str = "mixtral"):
+    """(the HF model the file holds, the file): a 2-layer Mixtral whose routed experts are Q8_0 blocks (rounded in
+    the HF model too, the same rows of 32), or a dense Llama; the rest F32; SmolLM2's tokenizer cut to 1024
+    tokens; written as llama.cpp's converter would."""
     from archs import tiny_model
     from test_gguf import GGUF_ARCH, _metadata, gguf_tensors
 
     tokenizer = smollm2_tokenizer_metadata()
     vocab = len(next(value for key, value, *_ in tokenizer if key == "tokenizer.ggml.tokens"))
-    model = tiny_model("mixtral", seed=0, vocab_size=vocab, hidden_size=64, intermediate_size=32,
+    model = tiny_model(family, seed=0, vocab_size=vocab, hidden_size=64, intermediate_size=32, head_dim=16,
                        max_position_embeddings=256, bos_token_id=None, eos_token_id=None).eval()  # the tokenizer's
     with torch.no_grad():  # gate_up_proj [E, 2I, H] and down_proj [E, H, I]: rows as in the GGUF blocks
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.copy_(q8_0_round(p))
-    writer = gguf.GGUFWriter(path, GGUF_ARCH["mixtral"])
-    _metadata(writer, "mixtral", model.config)
+    writer = gguf.GGUFWriter(path, GGUF_ARCH[family])
+    _metadata(writer, family, model.config)
     for key, value, vtype, sub in tokenizer:
         writer.add_key_value(key, value, vtype, sub)
     q8 = gguf.GGMLQuantizationType.Q8_0
-    for name, value in gguf_tensors(model, "mixtral"):
+    for name, value in gguf_tensors(model, family):
         array = value.detach().float().contiguous().numpy()
         if "_exps." in name:
             writer.add_tensor(name, gguf.quants.quantize(array, q8), raw_dtype=q8)
@@ -192,7 +193,7 @@ def tiny_mixtral_gguf(path: Path):
 def tiny_mixtral(tmp_path_factory):
     """(a fresh copy of the HF Mixtral the file holds, the file): written once for this module's tests."""
     skip_unless_ready()
-    truth, path = tiny_mixtral_gguf(tmp_path_factory.mktemp("tiny_mixtral") / "mixtral.gguf")
+    truth, path = tiny_gguf(tmp_path_factory.mktemp("tiny_mixtral") / "mixtral.gguf")
     return lambda: (copy.deepcopy(truth), path)
 
 
@@ -331,3 +332,27 @@ def test_bench_train_takes_a_gguf_model(tiny_mixtral):
     assert len(rows) == 1 and rows[0]["backend"] == "llamafile" and rows[0]["tok_s"] > 0, rows
     refused = run_cli("bench", "train", "--model", path, "--baseline", code=2).output
     assert "--baseline times transformers on a model directory" in refused
+
+
+def test_without_use_kt_a_gguf_trains_on_plain_transformers(tmp_path):
+    """``use_kt: false``: transformers' own GGUF loading (dequantised, no CPU experts) trains; the adapter names the
+    file and loads in plain PEFT on transformers' own loading of it."""
+    from peft import PeftModel
+
+    from ktcore.weights.model_path import load_plain_model
+
+    skip_unless_ready()
+    _, path = tiny_gguf(tmp_path / "llama.gguf", "llama")
+    summary = train(tmp_path, str(path), "torch", steps=2, use_kt=False, learning_rate=1e-2, cutoff_len=192)
+    assert not summary["use_kt"] and summary["trainable_params"] > 0
+    adapter = tmp_path / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(path.resolve())
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.no_grad():
+        before = base(ids).logits
+        after = PeftModel.from_pretrained(base, str(adapter))(ids).logits
+    assert float((after - before).abs().max()) > 1e-3  # trained, and applied by plain PEFT
+    assert load_plain_model(path).name_or_path == str(path.resolve())

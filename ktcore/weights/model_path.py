@@ -48,7 +48,9 @@ def load_plain_model(path, dtype=None, trust_remote_code: bool = False, **from_p
     extra.update(from_pretrained)
     model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs, **extra)
     if kwargs:
-        model.hf_quantizer = None  # plain dequantised tensors now; transformers refuses to save "GGUF-quantised" ones
+        # transformers' GGUF loading leaves plain dequantised tensors but marks the model quantised, and then
+        # refuses to save it or to train it
+        model.hf_quantizer, model.is_quantized = None, False
         record_base(model, path)
     return model
 
