@@ -356,3 +356,25 @@ def test_without_use_kt_a_gguf_trains_on_plain_transformers(tmp_path):
         after = PeftModel.from_pretrained(base, str(adapter))(ids).logits
     assert float((after - before).abs().max()) > 1e-3  # trained, and applied by plain PEFT
     assert load_plain_model(path).name_or_path == str(path.resolve())
+
+
+def test_both_frontends_train_a_gguf_base_alike(tmp_path, tiny_mixtral, shared_data):
+    """The same YAML on the tiny Mixtral GGUF through ``--frontend trl`` here and ``--frontend llamafactory`` in
+    .venv-llamafactory (LLaMA-Factory reads config and tokenizer from the metadata directory): the same first-step
+    loss, and both adapters record the GGUF file as their base."""
+    import subprocess
+
+    from test_frontends_agree import LF_KTCORE, LF_VENV, _both, _keys
+
+    if not LF_KTCORE.is_file():
+        pytest.skip(f"{LF_VENV.name} does not exist: run bash scripts/setup_llamafactory.sh to compare the frontends")
+    if subprocess.run([str(LF_VENV / "bin" / "python"), "-c", "import gguf"], capture_output=True).returncode:
+        pytest.skip(f"{LF_VENV.name} has no gguf package (ktcore reads GGUF files with it): "
+                    f"{LF_VENV / 'bin' / 'pip'} install gguf")
+    _, path = tiny_mixtral()
+    trl, lf = _both(tmp_path, _keys(path, shared_data, tmp_path / "out", cutoff_len=192))
+    assert abs(trl["first_loss"] - lf["first_loss"]) <= 1e-4, (trl["first_loss"], lf["first_loss"])
+    for frontend in ("trl", "llamafactory"):
+        config = json.loads((tmp_path / f"out-{frontend}-sft" / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(path.resolve()), frontend
+        assert set(modes(tmp_path / f"out-{frontend}-sft").values()) <= {0o644, 0o755}, frontend
