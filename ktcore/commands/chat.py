@@ -6,14 +6,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import TrainConfig, resolve_model_path
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path)
+from ..weights.model_path import load_plain_model, load_tokenizer
 
 
 def check_inputs(cfg: TrainConfig, path: Path) -> None:
@@ -47,11 +40,7 @@ def load_for_chat(cfg: TrainConfig):
     if cfg.use_kt:
         model = load_model(path, cfg.kt, need_backward=False, progress=False)
     else:
-        from transformers import AutoModelForCausalLM
-
-        kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-        model = AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, **kwargs)
-        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_plain_model(path).to("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.adapter_name_or_path:  # any installed adapter format, sniffed and validated
         from ..adapters import load_adapter_into
 

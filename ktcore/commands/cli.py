@@ -285,8 +285,9 @@ def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, lo
                    "the routed experts offloaded to host memory")
 @click.option("--kernel-seconds", default=1.0, show_default=True,
               help="time budget of each kernel-only measurement (0: skip it)")
-@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False, exists=True),
-              help="time this model directory instead of building one")
+@click.option("--model", "model_dir", default=None, type=click.Path(exists=True),
+              help="time this model (a directory, or a .gguf file whose quantised experts the llamafile backend "
+                   "computes with) instead of building one")
 @click.option("--workdir", default=None, type=click.Path(file_okay=False),
               help="where the scratch model is written (default: the system's temp directory)")
 @click.option("--keep", is_flag=True, help="keep the scratch model (its path is printed)")
@@ -315,6 +316,9 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
     if not settings.tokens or min(settings.tokens) < 1:
         raise click.BadParameter(f"{tokens!r} is not a comma list of positive token counts, e.g. 2048,8192",
                                  param_hint="--tokens")
+    if model_dir and baseline and Path(model_dir).is_file():
+        raise click.BadParameter(f"{model_dir}: --baseline times transformers on a model directory; drop --baseline "
+                                 "for a .gguf file", param_hint="--model")
     if workdir:
         Path(workdir).mkdir(parents=True, exist_ok=True)
     if as_json:

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ..experts import ExpertLayer
 from ..model.wrap import activation_name, finish, install_layer, install_resident, plan_placement, prepare
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
+from .model_path import record_base
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights
 
 if TYPE_CHECKING:  # parsed at the edge (ktcore.load_model) and handed down
@@ -120,7 +121,7 @@ def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bo
     path = Path(path)
     if path.suffix.lower() == ".gguf":
         return load_gguf_model(path, kt, device=device, dtype=dtype, need_backward=need_backward,
-                               progress=progress)
+                               progress=progress, hf_config=hf_config)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; pass a model directory saved by save_pretrained")
     hf_config = AutoConfig.from_pretrained(path) if hf_config is None else hf_config
@@ -143,16 +144,17 @@ def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bo
 
 
 def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bool = True,
-                    progress: bool = True):
+                    progress: bool = True, hf_config=None):
     """Load a ``.gguf`` file with its routed experts (or Llama MLPs) in the backend ``kt`` chooses.
 
     ``dtype`` defaults to float32 (GGUF tensors are F32/F16/BF16 or quantised; quantised tensors are
-    dequantised, so there is no single on-disk dtype to keep)."""
+    dequantised, so there is no single on-disk dtype to keep). ``hf_config``: build from this config (the
+    metadata's, as a frontend patched it; see ``model_path.write_metadata_dir``) instead of the metadata's own."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     with GGUFFile(path) as file:
-        hf_config = gguf_config(file)
+        hf_config = gguf_config(file) if hf_config is None else hf_config
         dtype = _resolve_dtype(hf_config, dtype or getattr(hf_config, "dtype", None) or torch.float32)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         with torch.device("meta"):
@@ -160,6 +162,7 @@ def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backwar
         fill_model(model, kt, lambda m, arch: GGUFWeights(file, m, arch), path=path, dtype=dtype,
                    device=device, need_backward=need_backward, progress=progress)
     model.config.dtype = dtype
+    record_base(model, path)
     return model.eval()
 
 

@@ -30,6 +30,7 @@ from ktcore.adapters.canonical import (PEFT_PREFIX, Adapter, AdapterError, fuse_
                                        peft_state, split_expert_parts, uniform_rank)
 from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base, safetensors_header
 from ktcore.adapters.integrity import check_file, file_record
+from ktcore.adapters.same_base import check_base
 from ktcore.files import atomic_dir, atomic_write_bytes
 from ktcore.outputs import MARKER as OUTPUT_MARKER
 
@@ -202,12 +203,7 @@ class Format:
         recorded = manifest.get("base_model") or {}
         base_path = resolve_base(recorded.get("path"), base)
         if base_path is not None:
-            got = base_fingerprint(base_path)
-            if got != recorded.get("fingerprint"):
-                raise AdapterError(f"{path}: made for base model {recorded.get('path')!r} (fingerprint "
-                                   f"{str(recorded.get('fingerprint'))[:23]}...), but {base_path} has fingerprint "
-                                   f"{got[:23]}...: other base model; refusing")
-            checks.append(f"base model {base_path}: fingerprint matches")
+            checks.append(check_base(path, recorded.get("path"), recorded.get("fingerprint"), base_path))
         else:
             checks.append(f"base model {recorded.get('path')!r}: not available here, fingerprint not checked")
         return manifest, folder, checks

@@ -37,6 +37,7 @@ from ktcore.adapters.canonical import (Adapter, AdapterError, fuse_gate_up, laye
                                        uniform_rank)
 from ktcore.adapters.integrity import check_module_name, no_record_note
 from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base
+from ktcore.adapters.same_base import check_base
 from ktcore.files import atomic_file
 from ktcore.plugins import get_registry
 from ktcore.weights.gguf_reader import (GGUFFile, GGUFNames, gguf_config, is_rope_permuted, rope_permute,
@@ -307,11 +308,7 @@ class Format:
         base_path = resolve_base(recorded_base, base)
         fingerprint = _field(reader, META + "base_fingerprint")
         if base_path is not None and fingerprint is not None:
-            got = base_fingerprint(base_path)
-            if got != fingerprint:
-                raise AdapterError(f"{path}: made for base model {recorded_base!r}, but {base_path} has another "
-                                   "fingerprint: other base model; refusing")
-            checks.append(f"base model {base_path}: fingerprint matches")
+            checks.append(check_base(path, recorded_base, fingerprint, base_path))
         info = BaseInfo(base_path) if base_path is not None else None
         if tmap is None and info is not None:
             tmap = info.inverse_map()

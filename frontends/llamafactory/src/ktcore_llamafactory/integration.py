@@ -34,13 +34,14 @@ def _adapter_path(model_args) -> Optional[str]:
     return str(value)
 
 
-def load_kt_pretrained_model(config, model_args, kt: Optional[KTConfig] = None):
-    """The base model of ``model_args.model_name_or_path`` built from the transformers ``config`` (as
-    LLaMA-Factory patched it), with routed experts in the ktcore expert backend ``kt`` chooses (default:
-    ``KTConfig()``, the best backend usable here)."""
+def load_kt_pretrained_model(config, model_args, kt: Optional[KTConfig] = None, path=None):
+    """The base model of ``model_args.model_name_or_path`` (or ``path``: a ``.gguf`` file whose metadata
+    directory LLaMA-Factory read) built from the transformers ``config`` (as LLaMA-Factory patched it), with
+    routed experts in the ktcore expert backend ``kt`` chooses (default: ``KTConfig()``, the best backend usable
+    here)."""
     import ktcore
 
-    return ktcore.load_model(model_args.model_name_or_path, kt, dtype=_dtype(model_args), hf_config=config,
+    return ktcore.load_model(path or model_args.model_name_or_path, kt, dtype=_dtype(model_args), hf_config=config,
                              progress=False)
 
 
@@ -121,7 +122,9 @@ def loader_for(cfg: TrainConfig):
         from llamafactory.model import loader, patcher
         from transformers import AutoModelForCausalLM
 
+        from ktcore.config import resolve_model_path
         from ktcore.frontends.skeleton import count_parameters, describe_parameters
+        from ktcore.weights.model_path import is_gguf, load_plain_model
 
         if add_valuehead:
             raise ConfigError("the llamafactory frontend runs stage sft and dpo (no value-head models)")
@@ -130,8 +133,11 @@ def loader_for(cfg: TrainConfig):
         init_kwargs = loader._get_init_kwargs(model_args)
         config = loader.load_config(model_args)
         patcher.patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
+        weights = resolve_model_path(cfg, hub_ok=True)  # a .gguf: LLaMA-Factory read its metadata directory
         if cfg.use_kt:
-            model = load_kt_pretrained_model(config, model_args, cfg.kt)
+            model = load_kt_pretrained_model(config, model_args, cfg.kt, path=weights if is_gguf(weights) else None)
+        elif is_gguf(weights):
+            model = load_plain_model(weights, dtype=_dtype(model_args), config=config)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=config,
                                                          dtype=_dtype(model_args),

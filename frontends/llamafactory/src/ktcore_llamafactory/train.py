@@ -29,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ktcore.config import ConfigError, TrainConfig
+from ktcore.files import usual_modes
 from ktcore.frontends.skeleton import StepRecorder, check_model_and_adapter, run_summary, training_arguments
 
 from . import integration
@@ -49,9 +50,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.precompute_ref_log_probs:
         raise ConfigError(f"{where}: precompute_ref_log_probs: LLaMA-Factory computes the DPO reference on the fly "
                           "(policy with adapters disabled); drop the key or use --frontend trl")
-    if not check_model_and_adapter(cfg).is_dir():
-        raise ConfigError(f"{where}: model_name_or_path {cfg.model_name_or_path!r}: the llamafactory frontend loads "
-                          "a model directory with config.json, not a GGUF file")
+    check_model_and_adapter(cfg)
     info = Path(cfg.dataset_dir) / "dataset_info.json"
     if not info.is_file():
         raise ConfigError(f"{where}: dataset_dir {cfg.dataset_dir!r} has no dataset_info.json; point dataset_dir at "
@@ -60,11 +59,13 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"{where}: dataset is required: a comma list of names from {info}")
 
 
-def llamafactory_args(cfg: TrainConfig) -> dict:
-    """The YAML as LLaMA-Factory's ``run_exp`` arguments (its own keys; ktcore keeps the kt ones)."""
+def llamafactory_args(cfg: TrainConfig, model_dir=None) -> dict:
+    """The YAML as LLaMA-Factory's ``run_exp`` arguments (its own keys; ktcore keeps the kt ones). ``model_dir``:
+    the directory LLaMA-Factory opens for config and tokenizer (a GGUF's metadata directory) if not the model's."""
+    model_dir = str(model_dir or cfg.model_name_or_path)
     args = {
         **training_arguments(cfg),
-        "model_name_or_path": cfg.model_name_or_path,
+        "model_name_or_path": model_dir,
         "trust_remote_code": cfg.trust_remote_code,
         "stage": cfg.stage,
         "do_train": cfg.do_train,
@@ -89,7 +90,7 @@ def llamafactory_args(cfg: TrainConfig) -> dict:
     }
     if cfg.stage == "dpo":
         args.update(pref_beta=cfg.pref_beta, pref_loss=cfg.pref_loss)
-    aux = _router_aux_loss_coef(cfg.model_name_or_path)
+    aux = _router_aux_loss_coef(model_dir)
     if aux:
         # The MoE load-balancing loss with the model's coefficient is part of the objective, as TRL's trainers
         # make it for every MoE model; LLaMA-Factory adds it only when moe_aux_loss_coef is set, so we set it.
@@ -180,6 +181,24 @@ def patched_llamafactory(load_model, recorder: StepRecorder, trainers: list):
 # ---- entry ---------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def metadata_dir(cfg: TrainConfig):
+    """The directory LLaMA-Factory reads config and tokenizer from: the model directory itself, or for a
+    ``.gguf`` a temporary one written from its metadata (``integration.loader_for`` loads the weights from the
+    file)."""
+    import tempfile
+
+    from ktcore.config import resolve_model_path
+    from ktcore.weights.model_path import is_gguf, write_metadata_dir
+
+    path = resolve_model_path(cfg, hub_ok=True)
+    if not is_gguf(path):
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="ktcore-gguf-metadata-") as tmp:
+        yield write_metadata_dir(path, tmp)
+
+
 def _dpo_metrics(trainer) -> dict:
     history = [h for h in trainer.state.log_history if "rewards/accuracies" in h]
     if not history:
@@ -201,16 +220,17 @@ def run_with_trainer(cfg: TrainConfig):
     os.environ["DISABLE_VERSION_CHECK"] = "1"  # llamafactory 0.9.5 asks peft<=0.20; expert LoRA needs peft>=0.21
     from llamafactory.train.tuner import run_exp
 
-    args = llamafactory_args(cfg)
     recorder, trainers = StepRecorder(pairwise=cfg.stage == "dpo"), []
     start = time.perf_counter()
     try:
-        with patched_llamafactory(integration.loader_for(cfg), recorder, trainers):
-            run_exp(args)
+        with metadata_dir(cfg) as model_dir, patched_llamafactory(integration.loader_for(cfg), recorder, trainers):
+            run_exp(llamafactory_args(cfg, model_dir))
     except ValueError as exc:  # LLaMA-Factory's argument and data errors are ValueErrors with one message
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{cfg.where}: llamafactory: {msg}") from exc
     runtime = time.perf_counter() - start
+    if Path(cfg.output_dir).is_dir():
+        usual_modes(cfg.output_dir)  # safetensors writes the adapter weights 0600
     trainer = trainers[-1] if trainers else None
     extra = {}
     if cfg.stage == "dpo" and trainer is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ktcore.config import ConfigError
-from ktcore.files import atomic_write_bytes, fsync_path, replace_path, sha256_file
+from ktcore.files import atomic_write_bytes, fsync_path, replace_path, sha256_file, usual_modes
 
 MANIFEST = "ktcore_checkpoint.json"
 PREFIX = "checkpoint"
@@ -30,6 +30,7 @@ _STEP = re.compile(rf"^{PREFIX}-(\d+)$")
 def seal(staging: Path, step: int) -> None:
     """fsync every file of ``staging`` and write its manifest (last, so its presence means 'complete')."""
     files = {}
+    usual_modes(staging)  # safetensors writes the adapter weights 0600
     for path in sorted(p for p in staging.rglob("*") if p.is_file()):
         fsync_path(path)
         files[str(path.relative_to(staging))] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}

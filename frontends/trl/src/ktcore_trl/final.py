@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 from ktcore.adapters.integrity import PEFT_FILES, write_sidecar
-from ktcore.files import atomic_write_bytes, clean_leftovers, fault_point, fsync_path, sha256_file, temp_prefix
+from ktcore.files import (atomic_write_bytes, clean_leftovers, fault_point, fsync_path, sha256_file, temp_prefix,
+                          usual_modes)
 from ktcore.outputs import MARKER
 
 from .checkpoints import MANIFEST
@@ -79,6 +80,7 @@ def save_adapter(model, tokenizer, output_dir) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        usual_modes(tmp)  # safetensors writes adapter_model.safetensors 0600
         write_sidecar(tmp, PEFT_FILES)  # SHA-256 of the weights and config, checked on every load
         for path in tmp.iterdir():
             fsync_path(path)

@@ -67,20 +67,30 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def load_tokenizer(cfg):
-    from transformers import AutoTokenizer
+    """The model's tokenizer (a model directory's files, or a ``.gguf`` file's metadata)."""
+    from ktcore.weights.model_path import load_tokenizer as load
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = load(model_path(cfg), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{cfg.where}: model_name_or_path {cfg.model_name_or_path!r}: cannot load its "
-                          f"tokenizer ({first}); point it at a model directory with tokenizer files") from exc
+                          f"tokenizer ({first}); point it at a model directory with tokenizer files or a .gguf "
+                          "file with tokenizer metadata") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
 # ---- model ---------------------------------------------------------------------------------------------------
+
+
+def model_path(cfg):
+    """What ``model_name_or_path`` names: a local directory or ``.gguf`` file (a ``package:`` path resolved), or
+    a Hub ID as given."""
+    from ktcore.config import resolve_model_path
+
+    return resolve_model_path(cfg, hub_ok=True)
 
 
 def compute_dtype(cfg):
@@ -99,11 +109,10 @@ def load_base_model(cfg):
     if cfg.use_kt:
         import ktcore
 
-        return ktcore.load_model(cfg.model_name_or_path, cfg, dtype=dtype)
-    from transformers import AutoModelForCausalLM
+        return ktcore.load_model(model_path(cfg), cfg, dtype=dtype)
+    from ktcore.weights.model_path import load_plain_model
 
-    return AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=dtype,
-                                                trust_remote_code=cfg.trust_remote_code)
+    return load_plain_model(model_path(cfg), dtype=dtype, trust_remote_code=cfg.trust_remote_code)
 
 
 def attach_lora(model, cfg):
