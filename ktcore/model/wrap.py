@@ -16,7 +16,7 @@ import torch
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins import UnknownPluginError, get_registry
 from ..plugins.threads import apply_budget
-from ..specs import ArchSpec
+from ..specs import ArchSpec, import_object
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
 from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
@@ -156,6 +156,8 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
     if hasattr(model, "peft_config"):
         raise ValueError("wrap the base model with ktcore before PEFT (get_peft_model / PeftModel.from_pretrained)")
     arch = find_arch(model.config)
+    if arch.prepare_model:
+        import_object(arch.prepare_model)(model)
     modules = expert_modules(model, arch)
     if not modules:
         raise ValueError(f"found no routed-experts modules matching {arch.experts_module!r} in this "

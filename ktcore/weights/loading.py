@@ -13,6 +13,7 @@ layer from the mmap, or packed from it as they are by a backend that computes wi
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,7 +125,9 @@ def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bo
                                progress=progress, hf_config=hf_config)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; pass a model directory saved by save_pretrained")
-    hf_config = AutoConfig.from_pretrained(path) if hf_config is None else hf_config
+    # a caller's config is copied, as from_pretrained copies it: loading sets its experts implementation and may
+    # drop its quantization_config, and the caller may build another model from the same object
+    hf_config = AutoConfig.from_pretrained(path) if hf_config is None else copy.deepcopy(hf_config)
     fp8_block = (128, 128)
     quant = getattr(hf_config, "quantization_config", None)
     if quant:  # FP8 block-scaled checkpoints (DeepSeek-V3) are dequantised while streaming
@@ -154,7 +157,7 @@ def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backwar
 
     path = Path(path)
     with GGUFFile(path) as file:
-        hf_config = gguf_config(file) if hf_config is None else hf_config
+        hf_config = gguf_config(file) if hf_config is None else copy.deepcopy(hf_config)  # as load_model does
         dtype = _resolve_dtype(hf_config, dtype or getattr(hf_config, "dtype", None) or torch.float32)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         with torch.device("meta"):

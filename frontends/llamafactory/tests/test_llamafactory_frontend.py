@@ -202,3 +202,62 @@ def test_dpo_reference_is_base_model(dpo_run):
     assert _reference_matches_base(trainer, base, batch) <= 1e-5
     broken = _reference_matches_base(trainer, base, batch, broken=True)
     assert broken > 1e-4, f"expert LoRA left on should move the log-probs, relative error {broken}"
+
+
+# ---- this environment and LLaMA-Factory's pinned transformers ------------------------------------------------
+
+
+def test_native_backends_and_adapter_formats_are_installed_here():
+    """The LLaMA-Factory environment gets the plugins that do not link torch, as .venv does: kt_backend amx_bf16
+    or llamafile works here, and ktcore chat reads every adapter format."""
+    from ktcore.plugins import get_registry
+
+    registry = get_registry()
+    assert {"amx_bf16", "llamafile"} <= set(registry.specs("expert_backend"))
+    assert {"peft", "fused_expert", "gguf"} <= set(registry.specs("adapter_format"))
+
+
+def test_a_second_load_with_the_same_config_object(tiny_model_dir):
+    """LLaMA-Factory may build twice from one patched config: the first load must leave it as it was."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    import ktcore_llamafactory as kl
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    model_args = SimpleNamespace(model_name_or_path=str(tiny_model_dir), compute_dtype=torch.float32,
+                                 adapter_name_or_path=None)
+    first = kl.load_kt_pretrained_model(config, model_args)
+    second = kl.load_kt_pretrained_model(config, model_args)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(first(ids).logits, second(ids).logits, rtol=0, atol=0)
+
+
+def test_deepseek_v2_with_group_limited_greedy_routing_trains(tmp_path):
+    """DeepSeek-V2's group-limited routing through LLaMA-Factory's transformers: a LoRA step runs and gives the
+    expert LoRA gradients (transformers 5.6.0's router reads a num_experts its MoE block lacks)."""
+    from types import SimpleNamespace
+
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    import ktcore_llamafactory as kl
+
+    config = DeepseekV2Config(vocab_size=64, hidden_size=48, intermediate_size=72, moe_intermediate_size=24,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                              first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
+                              topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(config).save_pretrained(tmp_path / "dsv2")
+    model_args = SimpleNamespace(model_name_or_path=str(tmp_path / "dsv2"), compute_dtype=torch.float32,
+                                 adapter_name_or_path=None)
+    model = kl.load_kt_pretrained_model(DeepseekV2Config.from_pretrained(tmp_path / "dsv2"), model_args)
+    peft_model = kl.get_kt_peft_model(model, {"r": 4, "target_modules": ["all"], "lora_alpha": 8,
+                                              "lora_dropout": 0.0})
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    peft_model(ids, labels=ids).loss.backward()
+    # lora_B starts at zero (PEFT's init), so the first step moves B: its gradient is nonzero on every expert LoRA
+    b_grads = [p.grad for n, p in peft_model.named_parameters() if ".experts." in n and "lora_B" in n]
+    assert len(b_grads) == 2 and all(g is not None and torch.count_nonzero(g) > 0 for g in b_grads)

@@ -18,11 +18,20 @@ _ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj
 _GGUF_ROUTER_BIAS = (r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias")
 
 
+def prepare_model(model) -> None:
+    """transformers 5.6 (LLaMA-Factory 0.9.5's pin): DeepSeek-V2's group-limited router reads the MoE block's
+    ``num_experts``, which only its experts module sets; give the block the config's count."""
+    for module in model.modules():
+        if hasattr(module, "route_tokens_to_experts") and not hasattr(module, "num_experts"):
+            module.num_experts = model.config.n_routed_experts
+
+
 def _deepseek(name: str, hf_class: str) -> ArchSpec:
     return ArchSpec(name=name, hf_architectures=(hf_class,), model_types=(name,), experts_module=EXPERTS,
                     expert_keys=PER_EXPERT_KEYS, fused_expert_keys=FUSED_KEYS, default_lora_targets=_ATTENTION,
                     gguf_architecture="deepseek2", gguf_config="ktcore.builtin.archs.gguf_configs:deepseek",
-                    gguf_extra_names=(GGUF_DENSE_MLP, _GGUF_ROUTER_BIAS), shared_experts_module=_SHARED)
+                    gguf_extra_names=(GGUF_DENSE_MLP, _GGUF_ROUTER_BIAS), shared_experts_module=_SHARED,
+                    prepare_model="ktcore.builtin.archs.deepseek:prepare_model")
 
 
 @hookimpl
