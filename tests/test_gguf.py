@@ -294,6 +294,23 @@ def test_smollm2_logits_match_transformers_gguf(smollm2):
     assert relative_error(got, ref) <= 1e-4
 
 
+def test_smollm2_config_is_transformers_own():
+    """ktcore builds a llama file's config from the header it parsed (no second parse by transformers); it is the
+    config transformers' own GGUF loading gives, key for key."""
+    from transformers import AutoConfig
+
+    from ktcore.weights.gguf_reader import GGUFFile, gguf_config
+
+    path = _smollm2_gguf()
+    with GGUFFile(path) as f:
+        ours = gguf_config(f).to_dict()
+    reference = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    reference["tie_word_embeddings"] = True  # ktcore's correction: the file has no output.weight
+    names = ("_name_or_path", "_model_name_or_path", "transformers_version")
+    assert {k: v for k, v in ours.items() if k not in names} == \
+        {k: v for k, v in reference.items() if k not in names}
+
+
 def test_smollm2_chat_answers_paris(smollm2):
     _, ours, tokenizer = smollm2
     from ktcore.commands.chat import reply
