@@ -31,9 +31,10 @@ def check_inputs(cfg: TrainConfig, path: Path) -> None:
 
 
 def _stage(text: str, started: float) -> None:
-    """One line on stderr per loading stage, so a model that takes a while to load is not a silent wait
-    (stdout carries only the answer)."""
-    print(f"ktcore chat: {text} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+    """One line on stderr per loading stage when stderr is a terminal, so a model that takes a while to load is
+    not a silent wait. Not into a pipe or a log: there stdout is the answer and bad input one line on stderr."""
+    if sys.stderr.isatty():
+        print(f"ktcore chat: {text} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
 
 
 def load_for_chat(cfg: TrainConfig):
@@ -44,9 +45,8 @@ def load_for_chat(cfg: TrainConfig):
     from ..weights.loading import load_model
 
     path = resolve_model_path(cfg)
-    _stage(f"checking {path}", started)
-    check_inputs(cfg, path)
-    _stage("loading the tokenizer", started)
+    check_inputs(cfg, path)  # bad input: one line, before any stage line
+    _stage(f"loading the tokenizer of {path}", started)
     tokenizer = load_tokenizer(path)
     _stage("loading the model" + (" (routed experts into the CPU backend)" if cfg.use_kt else ""), started)
     if cfg.use_kt:
