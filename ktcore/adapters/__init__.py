@@ -106,12 +106,15 @@ def load_adapter_into(model, path, base=None, is_trainable: bool = False):
     read by PEFT itself when PEFT reads the format (``peft_native``), else converted into such a format first."""
     from peft import PeftModel
 
+    from ..model.peft_expert_lora import peft_wrapping
+
     path = local_adapter_path(path)
     name = sniff(path)
     fmt = get_format(name)
     if _specs()[name].peft_native:
         _checked(fmt, path, base)
-        return PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable)
+        with peft_wrapping():
+            return PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable)
     native = [n for n, spec in sorted(_specs().items()) if spec.peft_native]
     if not native:
         raise AdapterError(f"{path}: loading a {name} adapter into PEFT needs an installed adapter format that PEFT "
@@ -119,4 +122,5 @@ def load_adapter_into(model, path, base=None, is_trainable: bool = False):
     adapter = _checked(fmt, path, base)[0]
     with tempfile.TemporaryDirectory(prefix="ktcore-adapter-") as tmp:
         get_format(native[0]).save(adapter, Path(tmp) / "adapter", base=base)
-        return PeftModel.from_pretrained(model, str(Path(tmp) / "adapter"), is_trainable=is_trainable)
+        with peft_wrapping():
+            return PeftModel.from_pretrained(model, str(Path(tmp) / "adapter"), is_trainable=is_trainable)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,15 +30,25 @@ def check_inputs(cfg: TrainConfig, path: Path) -> None:
         verify(cfg.adapter_name_or_path, base=path)
 
 
+def _stage(text: str, started: float) -> None:
+    """One line on stderr per loading stage when stderr is a terminal, so a model that takes a while to load is
+    not a silent wait. Not into a pipe or a log: there stdout is the answer and bad input one line on stderr."""
+    if sys.stderr.isatty():
+        print(f"ktcore chat: {text} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+
+
 def load_for_chat(cfg: TrainConfig):
     """(model, tokenizer) for inference: ktcore experts when use_kt, the adapter when one is named."""
+    started = time.perf_counter()
     import torch
 
     from ..weights.loading import load_model
 
     path = resolve_model_path(cfg)
-    check_inputs(cfg, path)
+    check_inputs(cfg, path)  # bad input: one line, before any stage line
+    _stage(f"loading the tokenizer of {path}", started)
     tokenizer = load_tokenizer(path)
+    _stage("loading the model" + (" (routed experts into the CPU backend)" if cfg.use_kt else ""), started)
     if cfg.use_kt:
         model = load_model(path, cfg.kt, need_backward=False, progress=False)
     else:
@@ -44,7 +56,9 @@ def load_for_chat(cfg: TrainConfig):
     if cfg.adapter_name_or_path:  # any installed adapter format, sniffed and validated
         from ..adapters import load_adapter_into
 
+        _stage(f"loading the adapter {cfg.adapter_name_or_path}", started)
         model = load_adapter_into(model, cfg.adapter_name_or_path, base=path)
+    _stage("ready", started)
     return model.eval(), tokenizer
 
 

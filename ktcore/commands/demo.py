@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -169,6 +172,24 @@ def _show(title: str, test: list[dict], answers: list[str]) -> float:
     return accuracy
 
 
+def _ktcore_executable() -> str:
+    """How the user runs ktcore: ``ktcore`` when that is on PATH and this installation, else the full path of
+    the script beside this Python (``bash scripts/demo.sh`` runs ``.venv/bin/ktcore`` with no venv active)."""
+    beside = Path(sys.executable).parent / "ktcore"
+    on_path = shutil.which("ktcore")
+    if on_path and (not beside.is_file() or Path(on_path).resolve() == beside.resolve()):
+        return "ktcore"
+    return str(beside) if beside.is_file() else "ktcore"
+
+
+def handoff_commands(config: Path, adapter: Path, prompt: str, workdir: Path) -> dict:
+    """The ``ktcore chat`` and ``ktcore export`` commands for the adapter the demo trained, ready to paste."""
+    exe, q = shlex.quote(_ktcore_executable()), shlex.quote
+    override = q(f"adapter_name_or_path={adapter}")
+    return {"chat": f"{exe} chat {q(str(config))} --prompt {q(prompt)} {override}",
+            "export": f"{exe} export {q(str(config))} --out {q(str(workdir / 'merged'))} {override}"}
+
+
 # ---- the demo ------------------------------------------------------------------------------------------------
 
 
@@ -183,6 +204,7 @@ def run_demo(workdir="runs/demo", frontend: str = "trl", steps: Optional[int] = 
     import ktcore
     from ktcore.config import load_config
     from ktcore.frontends import run_frontend
+    from ktcore.model.peft_expert_lora import peft_wrapping
 
     start = time.perf_counter()
     steps = DEFAULT_STEPS if steps is None else steps
@@ -210,7 +232,8 @@ def run_demo(workdir="runs/demo", frontend: str = "trl", steps: Optional[int] = 
         summary = run_frontend(frontend, cfg)
     train_seconds = time.perf_counter() - t0
 
-    tuned = PeftModel.from_pretrained(base, cfg.output_dir).eval()  # plain PEFT on the ktcore model
+    with peft_wrapping():
+        tuned = PeftModel.from_pretrained(base, cfg.output_dir).eval()  # plain PEFT on the ktcore model
     after = generate_answers(tuned, tokenizer, prompts)
     acc_after = _show("after training:", test, after) if not quiet else \
         sum(a == t["output"] for a, t in zip(after, test)) / len(test)
@@ -223,10 +246,16 @@ def run_demo(workdir="runs/demo", frontend: str = "trl", steps: Optional[int] = 
               "expected": [t["output"] for t in test], "train_seconds": round(train_seconds, 1),
               "total_seconds": round(time.perf_counter() - start, 1), "tokens_per_s": summary.get("tokens_per_s"),
               "trainable_params": summary.get("trainable_params"),
-              "expert_lora_params": summary.get("expert_lora_params"), "output_dir": cfg.output_dir}
+              "expert_lora_params": summary.get("expert_lora_params"), "output_dir": cfg.output_dir,
+              "commands": handoff_commands(files["config"], Path(cfg.output_dir), test[0]["instruction"],
+                                           files["workdir"])}
     say(f"\nloss: {first:.3f} (mean of first {k} steps) -> {last:.3f} (mean of last {k}); exact match "
         f"{acc_before:.0%} -> {acc_after:.0%}; {summary.get('trainable_params')} trainable LoRA parameters "
         f"({summary.get('expert_lora_params')} in routed experts); trained in {train_seconds:.0f} s, "
         f"{result['total_seconds']:.0f} s in all")
     say(f"adapter: {cfg.output_dir} (a standard PEFT adapter; loss plot: training_loss.png there)")
+    say("\nchat with it (without --prompt: interactive, an empty line ends it):\n"
+        f"  {result['commands']['chat']}\n"
+        "merge it into the base model as a standalone safetensors model:\n"
+        f"  {result['commands']['export']}")
     return result

@@ -8,12 +8,27 @@ PEFT ``LoraConfig`` for a training YAML.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Optional
 
 import torch
 
 from ..experts import ExpertLoRA
 from .placeholder import is_placeholder
+
+
+@contextlib.contextmanager
+def peft_wrapping():
+    """Around a call that makes a PeftModel (``get_peft_model``, ``PeftModel.from_pretrained``, a TRL trainer
+    given a ``peft_config``): PEFT (0.21.2, ``PeftModel.__init__``) reads ``model.is_gradient_checkpointing``,
+    which transformers 5.2x deprecated in favour of ``is_activation_checkpointing``, so every wrap printed a
+    FutureWarning no ktcore user can act on. Exactly that warning, only inside the call; PEFT gets the same
+    answer (the property still returns ``is_activation_checkpointing``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield
 
 
 def _factors(module, name: str):

@@ -19,6 +19,7 @@ llama.cpp's for every family: newer converters split MLA's ``kv_b_proj`` into ``
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -32,6 +33,28 @@ from ..plugins import get_registry
 from ..specs import ArchSpec, import_object
 
 GGUF_MAGIC = b"GGUF"
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_reader_class(gguf):
+    """``gguf.GGUFReader`` over a plain ndarray view of its ``np.memmap``.
+
+    The reader slices its buffer a few times per metadata element (SmolLM2-135M: ~590,000 parts, most of them
+    the tokenizer's 49,152 tokens and 48,900 merges). On an ``np.memmap`` every slice goes through memmap's
+    Python-level ``__getitem__``/``__array_finalize__``: 2.8-4.1 s per parse of a 100 MB file on the 2-core
+    host, 0.65-0.75 s on the plain view (benchmarks/RESULTS.md, "ktcore chat: load time"). The view keeps the
+    memmap (and so the mapping) alive through its ``base``; nothing else changes."""
+
+    class PlainViewGGUFReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value):
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return PlainViewGGUFReader
 
 
 def _gguf():
@@ -55,7 +78,7 @@ class GGUFFile:
         if magic != GGUF_MAGIC:
             raise CheckpointError(f"{self.path}: not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
         try:
-            self.reader = gguf.GGUFReader(self.path)
+            self.reader = _plain_reader_class(gguf)(self.path)
         except Exception as exc:  # noqa: BLE001 - the reader raises ValueError/IndexError on short files
             raise CheckpointError(f"{self.path}: unreadable or truncated GGUF file ({exc}); download it again") from exc
         size = self.path.stat().st_size

@@ -89,6 +89,24 @@ def sft_run(tmp_path_factory, tiny_model_dir, shared_data):
     return summary, trainer, keys
 
 
+def test_run_prints_no_model_config(tmp_path, tiny_model_dir, shared_data):
+    """LLaMA-Factory's default INFO logging dumped the model config at every config load (4 times before the
+    first step); the frontend runs it at WARN unless LLAMAFACTORY_VERBOSITY says otherwise. A subprocess: what a
+    user of `ktcore train --frontend llamafactory` sees on the terminal."""
+    import os
+    import subprocess
+    import sys
+
+    keys = base_keys(tiny_model_dir, shared_data, tmp_path / "out", dataset="identity", max_samples=4, max_steps=2)
+    config = write_yaml(tmp_path / "train.yaml", **keys)
+    env = {k: v for k, v in os.environ.items() if k != "LLAMAFACTORY_VERBOSITY"}
+    proc = subprocess.run([sys.executable, "-m", "ktcore.commands.cli", "train", str(config), "--frontend",
+                           "llamafactory"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Model config" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "loading configuration file" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
 def test_sft_loss_falls(sft_run):
     summary, _, _ = sft_run
     losses = summary["losses"]

@@ -2,8 +2,9 @@
 
 Each function takes a ``ktcore.weights.gguf_reader.GGUFFile`` and returns the config, or None when the file
 is another family written under the same GGUF architecture (``llama`` holds Llama and Mixtral). Where
-transformers' own GGUF support reads a family (llama, qwen2moe, qwen3moe) it is used and corrected; the rest is
-an explicit mapping of llama.cpp's metadata keys. Imported only when a GGUF file is read.
+transformers' own GGUF support reads a family (qwen2moe, qwen3moe) it is used and corrected; the rest is an
+explicit mapping of llama.cpp's metadata keys (for llama the same one as transformers'). Imported only when a
+GGUF file is read.
 """
 
 from __future__ import annotations
@@ -16,7 +17,20 @@ def _has_experts(file: GGUFFile) -> bool:
 
 
 def llama(file: GGUFFile):
-    return None if _has_experts(file) else transformers_config(file)
+    """transformers' own GGUF mapping for llama (``integrations/ggml.py``: the same keys, ``rope.dimension_count``
+    as head_dim), read from the header ktcore has already parsed: ``AutoConfig.from_pretrained(gguf_file=...)``
+    would parse the whole file again, tokenizer arrays included (3-4 s for SmolLM2-135M on the 2-core host)."""
+    from transformers import LlamaConfig
+
+    if _has_experts(file):
+        return None
+    m = file.arch_meta
+    kwargs = common_config_kwargs(file)
+    if m("rope.dimension_count") is not None:
+        kwargs["head_dim"] = int(m("rope.dimension_count"))
+    if file.meta("tokenizer.ggml.unknown_token_id") is not None:
+        kwargs["unk_token_id"] = int(file.meta("tokenizer.ggml.unknown_token_id"))
+    return LlamaConfig(**kwargs, intermediate_size=int(m("feed_forward_length")))
 
 
 def mixtral(file: GGUFFile):

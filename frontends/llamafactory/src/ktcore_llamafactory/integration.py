@@ -59,7 +59,7 @@ def get_kt_peft_model(model, peft_kwargs: dict[str, Any]):
     the routed experts. An explicit ``target_parameters`` is used as given."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    from ktcore.model.peft_expert_lora import lora_targets
+    from ktcore.model.peft_expert_lora import lora_targets, peft_wrapping
 
     kwargs = {k: v for k, v in dict(peft_kwargs).items() if v is not None}
     targets = kwargs.pop("target_modules", "all")
@@ -83,17 +83,21 @@ def get_kt_peft_model(model, peft_kwargs: dict[str, Any]):
                           "dropout; set lora_dropout: 0, or leave the experts out of lora_target")
     config = LoraConfig(task_type=TaskType.CAUSAL_LM, inference_mode=False, target_modules=modules or None,
                         target_parameters=params or None, **kwargs)
-    return get_peft_model(model, config)
+    with peft_wrapping():
+        return get_peft_model(model, config)
 
 
 def load_kt_peft_model(model_args, model, is_trainable: bool = True):
     """``model`` with the adapter in ``model_args.adapter_name_or_path`` (incl. expert LoRA) loaded by PEFT."""
     from peft import PeftModel
 
+    from ktcore.model.peft_expert_lora import peft_wrapping
+
     path = _adapter_path(model_args)
     if path is None:
         raise ConfigError("adapter_name_or_path is not set: nothing to load")
-    return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    with peft_wrapping():
+        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
 
 
 def _peft_kwargs(finetuning_args) -> dict:

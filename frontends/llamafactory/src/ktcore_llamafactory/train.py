@@ -218,6 +218,10 @@ def run_with_trainer(cfg: TrainConfig):
     cfg = apply_env(cfg)
     check_config(cfg)
     os.environ["DISABLE_VERSION_CHECK"] = "1"  # llamafactory 0.9.5 asks peft<=0.20; expert LoRA needs peft>=0.21
+    # LLaMA-Factory turns transformers' logging up to INFO unless told otherwise, and at INFO every config load
+    # dumps the whole model config (4 times while loading, once per save); ktcore prints its own progress and
+    # summary. LLAMAFACTORY_VERBOSITY=INFO brings LLaMA-Factory's logging back.
+    os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
     from llamafactory.train.tuner import run_exp
 
     recorder, trainers = StepRecorder(pairwise=cfg.stage == "dpo"), []

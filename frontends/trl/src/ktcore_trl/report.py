@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
 from transformers.trainer_callback import ProgressCallback
 
 from ktcore.files import atomic_file
@@ -30,11 +31,13 @@ class KtProgressCallback(ProgressCallback):
         self.tokens_at_start = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
+        # the bar is made with its label: transformers' own on_train_begin draws an unlabelled "0%| 0/N" first,
+        # which a log (or a terminal that does not redraw in place) keeps as a second bar stuck at 0%
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=state.max_steps, desc="ktcore train", dynamic_ncols=True)
+        self.current_step = 0
         self.started = time.perf_counter()
         self.tokens_at_start = self.recorder.tokens
-        if self.training_bar is not None:
-            self.training_bar.set_description("ktcore train")
 
     def on_step_end(self, args, state, control, **kwargs):
         super().on_step_end(args, state, control, **kwargs)

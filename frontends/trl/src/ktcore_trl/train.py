@@ -121,12 +121,14 @@ def attach_lora(model, cfg):
     from peft import get_peft_model
 
     from ktcore.adapters import load_adapter_into
+    from ktcore.model.peft_expert_lora import peft_wrapping
 
     if cfg.adapter_name_or_path:
         base = Path(cfg.model_name_or_path)
         return load_adapter_into(model, cfg.adapter_name_or_path, base=base if base.exists() else None,
                                  is_trainable=True)
-    return get_peft_model(model, lora_config(model, cfg))
+    with peft_wrapping():
+        return get_peft_model(model, lora_config(model, cfg))
 
 
 def lora_config(model, cfg):
@@ -357,7 +359,10 @@ def build_trainer(cfg: TrainConfig, tokenizer, dataset, callbacks=()):
         # TRL wraps the model itself; with a LoRA it created, its reference is the PEFT model under
         # disable_adapter() -- the base model, expert LoRA off too. (A model wrapped beforehand would make TRL
         # copy the adapter into a "ref" adapter and use that as the reference instead.)
-        trainer = make_dpo_trainer(base, tokenizer, dataset, cfg, callbacks, peft_config=lora_config(base, cfg))
+        from ktcore.model.peft_expert_lora import peft_wrapping
+
+        with peft_wrapping():  # TRL calls get_peft_model
+            trainer = make_dpo_trainer(base, tokenizer, dataset, cfg, callbacks, peft_config=lora_config(base, cfg))
     elif cfg.stage == "dpo":  # keep training an adapter: TRL's reference is a frozen copy of it ("ref")
         trainer = make_dpo_trainer(attach_lora(base, cfg), tokenizer, dataset, cfg, callbacks)
     else:
