@@ -164,8 +164,12 @@ def _checkpointing_kwargs(cfg, args_cls) -> dict:
 def trainer_kwargs(cfg, args_cls) -> dict:
     """TrainingArguments keys shared by every stage, mapped from the YAML (``args_cls``: SFTConfig, DPOConfig...)."""
     warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else cfg.warmup_ratio  # a float < 1 is a ratio
+    # Several ranks (DDP): every trainable parameter is a LoRA factor of a module each forward runs (expert LoRA
+    # is one tensor per layer, whichever experts the tokens pick), so DDP need not search the graph for unused ones
+    # (transformers would ask for that search on a PEFT model, and DDP warns that it found none, every run).
     return dict(training_arguments(cfg), save_strategy="steps", save_total_limit=cfg.save_total_limit,
-                warmup_steps=warmup, remove_unused_columns=False, **_checkpointing_kwargs(cfg, args_cls))
+                warmup_steps=warmup, remove_unused_columns=False, ddp_find_unused_parameters=False,
+                **_checkpointing_kwargs(cfg, args_cls))
 
 
 class KtTrainerMixin:
