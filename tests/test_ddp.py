@@ -2,7 +2,8 @@
 process trains (issue 24, item 3).
 
 Two ranks with ``per_device_train_batch_size: 1`` against one process with 2, same YAML otherwise (fp32, same seed,
-the ktcore torch backend): the dataset holds two examples, so every step of both runs sees both of them (one per
+the ktcore torch backend, and the llamafile backend where it is built, whose C++ pool each rank runs with half the
+cores): the dataset holds two examples, so every step of both runs sees both of them (one per
 rank, or both in one batch) whatever the samplers' order, and transformers normalises the loss by the global token
 count in both. The per-step losses (each rank's records summed over the ranks) and the final adapter (attention
 and expert LoRA, all-reduced by DDP) agree within 1e-5. Without the all-reduce the ranks' adapters would part at
@@ -45,7 +46,7 @@ def _config(tmp_path, name, model_dir, data_dir, **keys) -> Path:
     cfg = dict(model_name_or_path=str(model_dir), stage="sft", lora_target="all", lora_rank=8, dataset_dir=str(data_dir),
                dataset="identity", max_samples=2, template="default", cutoff_len=64, output_dir=str(tmp_path / name),
                learning_rate=1e-3, lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1, save_steps=2,
-               seed=0, use_kt=True, kt_config={"kt_backend": "torch"}, **keys)
+               seed=0, use_kt=True, **keys)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -64,15 +65,29 @@ def _adapter(directory) -> dict:
     return load_file(str(Path(directory) / "adapter_model.safetensors"))
 
 
+def _backend(name):
+    from ktcore.plugins import get_registry
+
+    if name not in get_registry().specs("expert_backend"):
+        pytest.skip(f"the {name} backend is not installed here")
+    return name
+
+
 @pytest.mark.slow
-def test_two_gloo_ranks_train_what_one_process_trains(tmp_path, model_dir, shared_data):
-    one = _config(tmp_path, "one", model_dir, shared_data, per_device_train_batch_size=2)
-    two = _config(tmp_path, "two", model_dir, shared_data, per_device_train_batch_size=1)
+@pytest.mark.parametrize("backend", ["torch", "llamafile"])
+def test_two_gloo_ranks_train_what_one_process_trains(tmp_path, model_dir, shared_data, backend):
+    from ktcore.plugins.threads import usable_cores
+
+    kt = {"kt_backend": _backend(backend)}  # llamafile: its own C++ pool per rank, fp32 weights as they are
+    one = _config(tmp_path, "one", model_dir, shared_data, per_device_train_batch_size=2, kt_config=kt)
+    two = _config(tmp_path, "two", model_dir, shared_data, per_device_train_batch_size=1, kt_config=kt)
     single, _ = _train([sys.executable, "-m", "ktcore", "train", str(one), "--frontend", "trl"], tmp_path)
     ddp, stderr = _train([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           "-m", "ktcore", "train", str(two), "--frontend", "trl"], tmp_path)
 
-    assert single["steps"] == ddp["steps"] == STEPS and ddp["kt_backend"] == "torch"
+    assert single["steps"] == ddp["steps"] == STEPS and ddp["kt_backend"] == backend
+    if single["kt_backend_threads"]:  # a backend with a pool: each of the 2 ranks runs half the cores
+        assert (single["kt_backend_threads"], ddp["kt_backend_threads"]) == (usable_cores(), max(1, usable_cores() // 2))
     assert ddp["tokens"] == single["tokens"]  # both ranks' tokens counted
     assert ddp["losses"] == pytest.approx(single["losses"], abs=1e-5, rel=0)
     assert stderr.count("trainable parameters") == 1  # rank 0 prints the one-line messages

@@ -221,4 +221,5 @@ def run_summary(frontend: str, cfg: TrainConfig, recorder: StepRecorder, steps: 
     info = getattr(base, "ktcore", None)
     if info is not None:
         out["kt_backend"] = info.backend.name
+        out["kt_backend_threads"] = getattr(info.backend, "num_threads", None)  # its pool; None: it runs none
     return {**out, **extra, **peak_memory()}
