@@ -1,7 +1,7 @@
 """Several processes: ``torchrun --nproc_per_node 2 -m ktcore train`` on CPU-only ranks (gloo DDP) trains what one
 process trains (issue 24, item 3).
 
-Two ranks with ``per_device_train_batch_size: 1`` against one process with 2, same YAML otherwise (fp32, same seed,
+Launched with torchrun (torch backend) and with ``accelerate launch`` (llamafile backend). Two ranks with ``per_device_train_batch_size: 1`` against one process with 2, same YAML otherwise (fp32, same seed,
 the ktcore torch backend, and the llamafile backend where it is built, whose C++ pool each rank runs with half the
 cores): the dataset holds two examples, so every step of both runs sees both of them (one per
 rank, or both in one batch) whatever the samplers' order, and transformers normalises the loss by the global token
@@ -73,17 +73,24 @@ def _backend(name):
     return name
 
 
+# the two launchers a user has, one per backend (each run is ~20 s on 2 cores): accelerate's CPU launch is
+# --multi_gpu without GPUs (its --cpu starts one process); both start torch.distributed ranks that pick gloo
+LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+             "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch", "llamafile"])
-def test_two_gloo_ranks_train_what_one_process_trains(tmp_path, model_dir, shared_data, backend):
+@pytest.mark.parametrize("backend,launcher", [("torch", "torchrun"), ("llamafile", "accelerate")])
+def test_two_gloo_ranks_train_what_one_process_trains(tmp_path, model_dir, shared_data, backend, launcher):
     from ktcore.plugins.threads import usable_cores
 
     kt = {"kt_backend": _backend(backend)}  # llamafile: its own C++ pool per rank, fp32 weights as they are
     one = _config(tmp_path, "one", model_dir, shared_data, per_device_train_batch_size=2, kt_config=kt)
     two = _config(tmp_path, "two", model_dir, shared_data, per_device_train_batch_size=1, kt_config=kt)
     single, _ = _train([sys.executable, "-m", "ktcore", "train", str(one), "--frontend", "trl"], tmp_path)
-    ddp, stderr = _train([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "ktcore", "train", str(two), "--frontend", "trl"], tmp_path)
+    ddp, stderr = _train([sys.executable, *LAUNCHERS[launcher], "-m", "ktcore", "train", str(two), "--frontend", "trl"],
+                         tmp_path)
 
     assert single["steps"] == ddp["steps"] == STEPS and ddp["kt_backend"] == backend
     if single["kt_backend_threads"]:  # a backend with a pool: each of the 2 ranks runs half the cores
