@@ -103,7 +103,8 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path, model_dir, share
     assert a.keys() == b.keys() and any(".experts." in k for k in a)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     moved = max((a[k] - _adapter(tmp_path / "one" / "checkpoint-2")[k]).abs().max().item() for k in a)
-    assert worst <= 1e-5 < moved, (worst, moved)  # equal, and not because nothing trained after step 2
+    # equal (issue 24's bound; measured 3e-7), and not because nothing trained after step 2
+    assert worst <= 1e-5 < moved, (worst, moved)
 
     ckpt = tmp_path / "two" / "checkpoint-2"
     names = {p.name for p in ckpt.iterdir()}
