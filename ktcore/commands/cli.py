@@ -10,6 +10,7 @@ import click
 from .. import __version__
 from ..errors import KtcoreError, PluginError
 from ..plugins import get_registry
+from ..plugins.threads import is_main_rank
 from ..specs import import_object
 
 
@@ -147,7 +148,8 @@ def train(config_path, frontend, overrides):
     if frontend not in get_registry().specs("frontend"):  # installed in an environment of its own?
         hand_over(frontend, ["train", config_path, "--frontend", frontend, *overrides])
     summary = run_frontend(frontend, cfg)
-    click.echo(json.dumps(summary, indent=2, default=str))
+    if is_main_rank():  # launched on several ranks (torchrun, accelerate launch): one summary, rank 0's
+        click.echo(json.dumps(summary, indent=2, default=str))
 
 
 @main.command()

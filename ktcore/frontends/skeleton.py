@@ -117,6 +117,26 @@ class StepRecorder:
         for key, value in metrics.items():
             self.step_metrics[step][key].append(value)
 
+    def reduce_across_ranks(self) -> None:
+        """With several ranks (torch.distributed initialised), make every rank's records the whole job's: each step's
+        loss sum and weight and the tokens are summed over the ranks, so ``losses()`` is what one process with all
+        the ranks' micro-batches records (SFT with ``num_items_in_batch``: each rank's loss is its token sum over
+        the global count times the world size, and the mean over ranks is the global token mean)."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        steps = sorted(self.step_loss)
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flat = [v for s in steps for v in self.step_loss[s]] + [self.tokens]
+        total = torch.tensor(flat, dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        values = total.tolist()
+        for i, step in enumerate(steps):
+            self.step_loss[step] = [values[2 * i], values[2 * i + 1]]
+        self.tokens = int(values[-1])
+
     def losses(self) -> list[float]:
         return [s / max(n, 1) for _, (s, n) in sorted(self.step_loss.items())]
 
@@ -201,4 +221,5 @@ def run_summary(frontend: str, cfg: TrainConfig, recorder: StepRecorder, steps: 
     info = getattr(base, "ktcore", None)
     if info is not None:
         out["kt_backend"] = info.backend.name
+        out["kt_backend_threads"] = getattr(info.backend, "num_threads", None)  # its pool; None: it runs none
     return {**out, **extra, **peak_memory()}

@@ -86,3 +86,16 @@ def make_placeholder(shape, dtype, device) -> torch.nn.Parameter:
 
 def is_placeholder(t) -> bool:
     return isinstance(t, ExpertWeightPlaceholder)
+
+
+def hide_from_ddp(module: torch.nn.Module) -> list[str]:
+    """Tell torch's DistributedDataParallel to leave ``module``'s placeholders alone; returns their names.
+
+    DDP broadcasts every parameter and buffer from rank 0 when it wraps a model (frozen ones too), which would
+    read the placeholders. Every rank loads the same routed-expert weights into its own backend, so there is
+    nothing to broadcast; the LoRA factors on them are ordinary parameters and are all-reduced as usual. Call it
+    on the module DDP will wrap (the PEFT model): DDP matches the names from that module's ``named_parameters``.
+    """
+    names = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if is_placeholder(t)]
+    module._ddp_params_and_buffers_to_ignore = names  # read by DistributedDataParallel.__init__
+    return names

@@ -7,6 +7,12 @@ host are ktcore's own (copies into pinned buffers, a backend's torch glue), and 
 pool works: torch is then limited to the cores the pool leaves, at least one, so the two never ask for more
 cores than there are (an oversubscribed pool waits at every barrier for its descheduled threads). With the
 model on the CPU, torch's threads run the model itself and take turns with the pool: they stay as they are.
+
+Several processes on one host (``torchrun``/``accelerate launch``: ``LOCAL_WORLD_SIZE`` ranks, this one
+``LOCAL_RANK``): each rank runs its own backend pool, so the default share is the usable cores divided by the
+local ranks (at least one thread), and torch on a CPU rank gets no more than that share either; with several
+ranks the pools would otherwise ask for N times the cores and wait at every barrier. One-line notes are printed
+by rank 0 only (``RANK``), once.
 """
 
 from __future__ import annotations
@@ -26,17 +32,42 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def local_ranks() -> int:
+    """The processes of this job on this host (``LOCAL_WORLD_SIZE``, set by torchrun and accelerate; 1 alone)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def is_main_rank() -> bool:
+    """True in a process started alone and in global rank 0 of a launched job (``RANK``): the one that prints
+    notes and writes outputs."""
+    return os.environ.get("RANK", "0") in ("0", "")
+
+
+def rank_cores() -> int:
+    """This rank's share of the usable cores: all of them alone, 1/``LOCAL_WORLD_SIZE`` of them (at least one)
+    with several ranks on the host."""
+    return max(1, usable_cores() // local_ranks())
+
+
 def _note(message: str) -> None:
-    if message not in _noted:
+    if message not in _noted and is_main_rank():
         _noted.add(message)
         print(f"ktcore: {message}", file=sys.stderr)
 
 
 def backend_threads(requested: Optional[int]) -> int:
-    """The backend pool's share: kt_num_threads, capped at the usable cores (default: all of them)."""
+    """The backend pool's share: kt_num_threads, capped at the usable cores (default: this rank's share of them,
+    all of them in a process started alone)."""
     cores = usable_cores()
     if requested is None:
-        return cores
+        share = rank_cores()
+        if share < cores:
+            _note(f"{local_ranks()} ranks on this host: each rank's expert backend pool runs {share} of the {cores} "
+                  "cores (kt_config.kt_num_threads sets it)")
+        return share
     if requested > cores:
         _note(f"kt_num_threads {requested} is more than the {cores} cores this process may use "
               f"(os.sched_getaffinity); the backend runs {cores} threads")
@@ -55,7 +86,9 @@ def apply_budget(backends: Iterable, device) -> Optional[int]:
     import torch
 
     pools = [n for n in (getattr(b, "num_threads", None) for b in backends) if n]
-    if not pools or torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu":
+        return _cpu_rank_budget(torch)
+    if not pools:
         return None
     share = torch_share(max(pools))
     current = torch.get_num_threads()
@@ -64,4 +97,16 @@ def apply_budget(backends: Iterable, device) -> Optional[int]:
     torch.set_num_threads(share)
     _note(f"torch CPU threads {current} -> {share}: the expert backend's pool runs {max(pools)} of the "
           f"{usable_cores()} cores this process may use (kt_config.kt_num_threads sets its share)")
+    return share
+
+
+def _cpu_rank_budget(torch) -> Optional[int]:
+    """A model on the CPU: torch keeps its threads, but with several ranks on the host no more than this rank's
+    share (torchrun sets OMP_NUM_THREADS=1 itself; ``accelerate launch`` and a user's OMP_NUM_THREADS may not)."""
+    share, current = rank_cores(), torch.get_num_threads()
+    if local_ranks() == 1 or current <= share:
+        return None
+    torch.set_num_threads(share)
+    _note(f"torch CPU threads {current} -> {share}: {local_ranks()} ranks share the {usable_cores()} cores this "
+          "process may use")
     return share

@@ -26,6 +26,7 @@ from ktcore.adapters.integrity import PEFT_FILES, write_sidecar
 from ktcore.files import (atomic_write_bytes, clean_leftovers, fault_point, fsync_path, sha256_file, temp_prefix,
                           usual_modes)
 from ktcore.outputs import MARKER
+from ktcore.plugins.threads import is_main_rank
 
 from .checkpoints import MANIFEST
 
@@ -121,6 +122,8 @@ def finish_without_training(cfg, resume) -> Optional[dict]:
     out, ckpt = Path(cfg.output_dir), Path(resume)
     if _same_adapter(ckpt, out):
         what = f"{out} holds its final adapter"
+    elif not is_main_rank():  # launched on several ranks: rank 0 writes it
+        what = "rank 0 writes its final adapter"
     else:
         tmp = _staging(out)
         try:
@@ -133,7 +136,8 @@ def finish_without_training(cfg, resume) -> Optional[dict]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         what = f"its final adapter was missing or not this run's (a final save cut short): written from {ckpt.name}"
-    print(f"ktcore: nothing to train: {ckpt} is the last step of this run (step {step}) and {what}; raise max_steps "
-          "or num_train_epochs to train further", file=sys.stderr)
+    if is_main_rank():
+        print(f"ktcore: nothing to train: {ckpt} is the last step of this run (step {step}) and {what}; raise max_steps "
+              "or num_train_epochs to train further", file=sys.stderr)
     return {"frontend": "trl", "stage": cfg.stage, "steps": step, "nothing_to_train": True, "resumed_from": str(ckpt),
             "output_dir": str(out)}

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 from ktcore.model.checkpointing import checkpoint_non_experts
+from ktcore.model.placeholder import hide_from_ddp
+from ktcore.plugins.threads import is_main_rank
 from ktcore.config import ConfigError, TrainConfig
 from ktcore.frontends.skeleton import (StepRecorder, check_model_and_adapter, count_parameters, describe_parameters,
                                        run_summary, training_arguments)
@@ -164,8 +166,12 @@ def _checkpointing_kwargs(cfg, args_cls) -> dict:
 def trainer_kwargs(cfg, args_cls) -> dict:
     """TrainingArguments keys shared by every stage, mapped from the YAML (``args_cls``: SFTConfig, DPOConfig...)."""
     warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else cfg.warmup_ratio  # a float < 1 is a ratio
+    # Several ranks (DDP): every trainable parameter is a LoRA factor of a module each forward runs (expert LoRA
+    # is one tensor per layer, whichever experts the tokens pick), so DDP need not search the graph for unused ones
+    # (transformers would ask for that search on a PEFT model, and DDP warns that it found none, every run).
     return dict(training_arguments(cfg), save_strategy="steps", save_total_limit=cfg.save_total_limit,
-                warmup_steps=warmup, remove_unused_columns=False, **_checkpointing_kwargs(cfg, args_cls))
+                warmup_steps=warmup, remove_unused_columns=False, ddp_find_unused_parameters=False,
+                **_checkpointing_kwargs(cfg, args_cls))
 
 
 class KtTrainerMixin:
@@ -191,22 +197,29 @@ class KtTrainerMixin:
     def _save_checkpoint(self, model, trial):
         from .checkpoints import PREFIX, STAGING_PREFIX, publish, rotate, seal
 
+        # With several ranks every rank writes into the same staging directory (rank 0 the adapter, optimizer and
+        # state, each rank its rng_state_N.pth), so rank 0 alone creates, seals and publishes it, between barriers.
+        main, wait = self.is_world_process_zero(), self.accelerator.wait_for_everyone
         run_dir = Path(self._get_output_dir(trial))
         step = self.state.global_step
         staging = run_dir / f"{STAGING_PREFIX}{PREFIX}-{step}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        wait()
         self._kt_staging = staging
         try:
             super()._save_checkpoint(model, trial)  # transformers/TRL write everything into staging/checkpoint-N
         finally:
             self._kt_staging = None
-        written = staging / f"{PREFIX}-{step}"
-        seal(written, step)
-        publish(written, run_dir / f"{PREFIX}-{step}")
-        shutil.rmtree(staging, ignore_errors=True)
-        if self.args.should_save:
+        wait()
+        if main:
+            written = staging / f"{PREFIX}-{step}"
+            seal(written, step)
+            publish(written, run_dir / f"{PREFIX}-{step}")
+            shutil.rmtree(staging, ignore_errors=True)
             rotate(run_dir, self.args.save_total_limit)
+        wait()  # no rank trains on (and may save again) before the checkpoint is in place
 
 
 def make_sft_trainer(model, tokenizer, dataset, cfg, callbacks=()):
@@ -367,6 +380,7 @@ def build_trainer(cfg: TrainConfig, tokenizer, dataset, callbacks=()):
         trainer = make_dpo_trainer(attach_lora(base, cfg), tokenizer, dataset, cfg, callbacks)
     else:
         trainer = make_sft_trainer(attach_lora(base, cfg), tokenizer, dataset, cfg, callbacks)
+    hide_from_ddp(trainer.model)  # with several ranks: DDP must not broadcast the zero-storage expert placeholders
     return trainer, count_parameters(trainer.model)
 
 
@@ -381,11 +395,14 @@ def run(cfg: TrainConfig, callbacks=()) -> dict:
     if done is not None:
         return done
     trainer, params = build_trainer(cfg, tokenizer, dataset, callbacks)
-    print(describe_parameters(params) + (f"; resuming from {resume}" if resume else ""), file=sys.stderr)
+    if is_main_rank():
+        print(describe_parameters(params) + (f"; resuming from {resume}" if resume else ""), file=sys.stderr)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     runtime = time.perf_counter() - start
-    save_adapter(trainer.model, tokenizer, cfg.output_dir)
+    trainer.recorder.reduce_across_ranks()  # with several ranks: the whole job's losses and tokens, on every rank
+    if trainer.is_world_process_zero():  # the ranks hold the same adapter (DDP): one writes it
+        save_adapter(trainer.model, tokenizer, cfg.output_dir)
     extra = {"examples": len(dataset), "resumed_from": resume}
     if cfg.stage == "dpo":
         records = trainer.recorder.records()
@@ -393,6 +410,6 @@ def run(cfg: TrainConfig, callbacks=()) -> dict:
             extra[key.replace("/", "_")] = [r.get(key, math.nan) for r in records.values()]
         extra.update(pref_loss=cfg.pref_loss, pref_beta=cfg.pref_beta,
                      precompute_ref_log_probs=cfg.precompute_ref_log_probs)
-    if cfg.plot_loss:
+    if cfg.plot_loss and trainer.is_world_process_zero():
         extra.update(plot_training(trainer.recorder.records(), cfg.output_dir, cfg.stage))
     return run_summary("trl", cfg, trainer.recorder, trainer.state.global_step, runtime, trainer.model, **extra)
