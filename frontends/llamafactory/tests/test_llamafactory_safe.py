@@ -1,5 +1,5 @@
-"""The outputs of ``ktcore train --frontend llamafactory`` under kill -9 (issue 20, items 2,
-3 and 5), on real LLaMA-Factory runs of the tiny model.
+"""The outputs of ``ktcore train --frontend llamafactory`` under kill -9, and its dataset paths (issue 20, items 2,
+3, 5 and 6), on real LLaMA-Factory runs of the tiny model.
 
 - The final adapter is published into output_dir as one unit: killed at every step of the save (after the old
   ``adapter_config.json`` is removed, after the first file is moved in), output_dir holds no adapter that
@@ -8,12 +8,15 @@
   marker, with the usual file modes.
 - ``resume_from_checkpoint: true`` on a finished run trains nothing and says so in one line; where the final save
   was cut short it writes the final adapter from the last checkpoint, the same bytes the final save wrote.
+- A dataset ``file_name`` that leaves ``dataset_dir`` (``..``, an absolute path, a symlink, a folder holding a
+  symlink) is refused in one line with exit 2, before LLaMA-Factory is imported.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,3 +119,43 @@ def test_final_adapter_under_kill_integrity_and_resume_at_the_end(tmp_path, tiny
     weights.write_bytes(bytes(data))
     tampered = ktcore("adapter", "verify", out)
     assert tampered.returncode == 2 and "kt_integrity.json" in tampered.stderr, tampered.stderr
+
+
+@pytest.fixture
+def data_dir(tmp_path, shared_data):
+    """A copy of the demo datasets whose dataset_info.json the test may change."""
+    return Path(shutil.copytree(shared_data, tmp_path / "data"))
+
+
+def _with_file_name(data_dir: Path, file_name: str) -> None:
+    info = json.loads((data_dir / "dataset_info.json").read_text())
+    info["identity"]["file_name"] = file_name
+    (data_dir / "dataset_info.json").write_text(json.dumps(info))
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "folder-with-symlink"])
+def test_a_dataset_file_name_outside_dataset_dir_is_refused(tmp_path, tiny_model_dir, data_dir, how):
+    from ktcore.config import ConfigError, load_config
+    from ktcore_llamafactory.train import check_config
+
+    config = write_yaml(tmp_path / "train.yaml", **base_keys(tiny_model_dir, data_dir, tmp_path / "out"))
+    check_config(load_config(config))  # the demo data as it is passes
+    outside = tmp_path / "secret.json"
+    shutil.copy(data_dir / json.loads((data_dir / "dataset_info.json").read_text())["identity"]["file_name"], outside)
+    if how == "dotdot":
+        _with_file_name(data_dir, "../secret.json")
+    elif how == "absolute":
+        _with_file_name(data_dir, str(outside))
+    elif how == "symlink":
+        (data_dir / "link.json").symlink_to(outside)
+        _with_file_name(data_dir, "link.json")
+    else:
+        (data_dir / "identity_parts").mkdir()
+        (data_dir / "identity_parts" / "part.json").symlink_to(outside)
+        _with_file_name(data_dir, "identity_parts")
+    with pytest.raises(ConfigError, match="dataset 'identity': file_name"):
+        check_config(load_config(config))
+    refused = ktcore("train", config, "--frontend", "llamafactory")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "refusing" in lines[0], refused.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

@@ -17,7 +17,8 @@ and only then — ``patched_llamafactory`` rebinds two names:
   marker (``ktcore.frontends.final``); checkpoints are LLaMA-Factory's own.
 
 A ``resume_from_checkpoint`` that is the last step of the run trains nothing (one line; the final adapter is
-written from that checkpoint if its save was cut short), found before LLaMA-Factory is imported.
+written from that checkpoint if its save was cut short), and every dataset's ``file_name`` must stay inside
+``dataset_dir``: both checked before LLaMA-Factory is imported.
 
 Everything is restored when ``run`` returns or raises. The DPO reference is LLaMA-Factory's own: with
 ``ref_model`` unset it runs the policy under ``disable_adapter()``, which turns expert LoRA off too
@@ -35,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ktcore.config import ConfigError, TrainConfig
-from ktcore.files import usual_modes
+from ktcore.files import inside_root, usual_modes
 from ktcore.frontends.final import finish_without_training, publish_adapter
 from ktcore.frontends.skeleton import StepRecorder, check_model_and_adapter, run_summary, training_arguments
 
@@ -64,6 +65,28 @@ def check_config(cfg: TrainConfig) -> None:
                           "the folder holding it")
     if not cfg.dataset:
         raise ConfigError(f"{where}: dataset is required: a comma list of names from {info}")
+    check_dataset_files(cfg, info)
+
+
+def check_dataset_files(cfg: TrainConfig, info: Path) -> None:
+    """Every ``file_name`` of a dataset the YAML names (LLaMA-Factory reads the files itself) is inside
+    ``dataset_dir``, and so is every file of one that names a folder (symlinks resolved): refused otherwise."""
+    try:
+        entries = json.loads(info.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{info}: not readable JSON ({exc}); fix dataset_info.json") from None
+    if not isinstance(entries, dict):
+        raise ConfigError(f"{info}: must be a JSON object of dataset name -> entry")
+    root = Path(cfg.dataset_dir)
+    for name in (n.strip() for key in (cfg.dataset, cfg.eval_dataset) for n in (key or "").split(",")):
+        entry = entries.get(name)
+        if not isinstance(entry, dict) or "file_name" not in entry:
+            continue  # an unknown name or a hub dataset: LLaMA-Factory's own one-line error or download
+        what = f"{info}: dataset {name!r}: file_name"
+        path = inside_root(root, entry["file_name"], what)
+        if path.is_dir():
+            for child in path.rglob("*"):
+                inside_root(root, str(child.relative_to(root)), what)
 
 
 def llamafactory_args(cfg: TrainConfig, model_dir=None) -> dict:
