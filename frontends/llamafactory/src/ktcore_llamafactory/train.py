@@ -12,7 +12,13 @@ and only then — ``patched_llamafactory`` rebinds two names:
   workflows, ``trainer_utils`` for an explicit ``ref_model``) -> ``integration.loader_for(cfg)``, which keeps
   LLaMA-Factory's config/model patching and lets ktcore build the model and the LoRA (expert LoRA included);
 * the trainer classes the workflows instantiate -> subclasses that record every optimizer step's exact
-  loss (the logged loss is rounded to 4 decimals) and the tokens seen.
+  loss (the logged loss is rounded to 4 decimals) and the tokens seen, and publish the final adapter (the
+  workflows' ``trainer.save_model()`` into ``output_dir``) as one unit with the integrity sidecar and ktcore's
+  marker (``ktcore.frontends.final``); checkpoints are LLaMA-Factory's own.
+
+A ``resume_from_checkpoint`` that is the last step of the run trains nothing (one line; the final adapter is
+written from that checkpoint if its save was cut short), and every dataset's ``file_name`` must stay inside
+``dataset_dir``: both checked before LLaMA-Factory is imported.
 
 Everything is restored when ``run`` returns or raises. The DPO reference is LLaMA-Factory's own: with
 ``ref_model`` unset it runs the policy under ``disable_adapter()``, which turns expert LoRA off too
@@ -22,6 +28,7 @@ Everything is restored when ``run`` returns or raises. The DPO reference is LLaM
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -29,7 +36,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ktcore.config import ConfigError, TrainConfig
-from ktcore.files import usual_modes
+from ktcore.files import inside_root, usual_modes
+from ktcore.frontends.final import finish_without_training, publish_adapter
 from ktcore.frontends.skeleton import StepRecorder, check_model_and_adapter, run_summary, training_arguments
 
 from . import integration
@@ -57,6 +65,28 @@ def check_config(cfg: TrainConfig) -> None:
                           "the folder holding it")
     if not cfg.dataset:
         raise ConfigError(f"{where}: dataset is required: a comma list of names from {info}")
+    check_dataset_files(cfg, info)
+
+
+def check_dataset_files(cfg: TrainConfig, info: Path) -> None:
+    """Every ``file_name`` of a dataset the YAML names (LLaMA-Factory reads the files itself) is inside
+    ``dataset_dir``, and so is every file of one that names a folder (symlinks resolved): refused otherwise."""
+    try:
+        entries = json.loads(info.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{info}: not readable JSON ({exc}); fix dataset_info.json") from None
+    if not isinstance(entries, dict):
+        raise ConfigError(f"{info}: must be a JSON object of dataset name -> entry")
+    root = Path(cfg.dataset_dir)
+    for name in (n.strip() for key in (cfg.dataset, cfg.eval_dataset) for n in (key or "").split(",")):
+        entry = entries.get(name)
+        if not isinstance(entry, dict) or "file_name" not in entry:
+            continue  # an unknown name or a hub dataset: LLaMA-Factory's own one-line error or download
+        what = f"{info}: dataset {name!r}: file_name"
+        path = inside_root(root, entry["file_name"], what)
+        if path.is_dir():
+            for child in path.rglob("*"):
+                inside_root(root, str(child.relative_to(root)), what)
 
 
 def llamafactory_args(cfg: TrainConfig, model_dir=None) -> dict:
@@ -102,20 +132,25 @@ def llamafactory_args(cfg: TrainConfig, model_dir=None) -> dict:
                 "save_total_limit": cfg.save_total_limit, "resume_from_checkpoint": cfg.resume_from_checkpoint}
     args.update({k: v for k, v in optional.items() if v not in (None, False)})
     if cfg.resume_from_checkpoint is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        last = get_last_checkpoint(cfg.output_dir) if Path(cfg.output_dir).is_dir() else None
-        if last is None:
-            raise ConfigError(f"{cfg.where}: resume_from_checkpoint: true, but {cfg.output_dir} has no checkpoint-*")
-        args["resume_from_checkpoint"] = last
+        args["resume_from_checkpoint"] = resume_checkpoint(cfg)
     if cfg.overwrite_output_dir:
         args["overwrite_output_dir"] = True
     return args
 
 
-def _router_aux_loss_coef(model_dir):
-    import json
+def resume_checkpoint(cfg: TrainConfig):
+    """The checkpoint the run resumes from (``true``: the last one in ``output_dir``), or None."""
+    if cfg.resume_from_checkpoint is not True:
+        return cfg.resume_from_checkpoint or None
+    from transformers.trainer_utils import get_last_checkpoint
 
+    last = get_last_checkpoint(cfg.output_dir) if Path(cfg.output_dir).is_dir() else None
+    if last is None:
+        raise ConfigError(f"{cfg.where}: resume_from_checkpoint: true, but {cfg.output_dir} has no checkpoint-*")
+    return last
+
+
+def _router_aux_loss_coef(model_dir):
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -129,7 +164,8 @@ def _router_aux_loss_coef(model_dir):
 
 
 def _recording(base, recorder: StepRecorder, trainers: list):
-    """``base`` recording every optimizer step's exact loss into ``recorder``; each instance joins ``trainers``."""
+    """``base`` recording every optimizer step's exact loss into ``recorder`` and publishing the final adapter as
+    one unit; each instance joins ``trainers``."""
 
     class Recording(base):
         def __init__(self, *args, **kwargs):
@@ -142,6 +178,13 @@ def _recording(base, recorder: StepRecorder, trainers: list):
                 loss = result[0] if isinstance(result, tuple) else result
                 recorder.record(self.state.global_step, loss, inputs, kwargs.get("num_items_in_batch"))
             return result
+
+        def save_model(self, output_dir=None, _internal_call=False):
+            # output_dir itself is the final save (checkpoints go to checkpoint-N): staged, sealed, published
+            target = Path(output_dir or self.args.output_dir)
+            if not self.args.should_save or target.resolve() != Path(self.args.output_dir).resolve():
+                return super().save_model(output_dir, _internal_call)
+            publish_adapter(target, lambda tmp: super(Recording, self).save_model(str(tmp), _internal_call))
 
     Recording.__name__ = Recording.__qualname__ = f"Kt{base.__name__}"
     return Recording
@@ -217,6 +260,9 @@ def run_with_trainer(cfg: TrainConfig):
     """``run``, also returning LLaMA-Factory's trainer (its model, state and reference computation)."""
     cfg = apply_env(cfg)
     check_config(cfg)
+    done = finish_without_training(cfg, resume_checkpoint(cfg), "llamafactory")
+    if done is not None:
+        return done, None
     os.environ["DISABLE_VERSION_CHECK"] = "1"  # llamafactory 0.9.5 asks peft<=0.20; expert LoRA needs peft>=0.21
     # LLaMA-Factory turns transformers' logging up to INFO unless told otherwise, and at INFO every config load
     # dumps the whole model config (4 times while loading, once per save); ktcore prints its own progress and
