@@ -179,8 +179,8 @@ class Format:
                     continue
                 raise AdapterError(f"{entry}: extra file not listed in {MANIFEST}; refusing (remove it or convert "
                                    "again)")
-        checks.append(f"files: {', '.join(sorted(files.keys() | peft_files.keys()))} present, regular, sizes and SHA-256 "
-                      "match; no extra files")
+        listed = ", ".join(sorted(files.keys() | peft_files.keys()))
+        checks.append(f"files: {listed} present, regular, sizes and SHA-256 match; no extra files")
 
         tensors = manifest.get("tensors") or {}
         lora = manifest.get("lora") or {}
