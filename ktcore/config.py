@@ -344,6 +344,9 @@ def _translate_rule_file(path: Path, where: str, notes: list[str]) -> dict:
     return out
 
 
+INFER_BACKENDS = ("huggingface", "ktransformers")  # LLaMA-Factory's infer_backend values ktcore chat stands for
+
+
 def translate_legacy(data: dict, where: str, base_dir: Path) -> tuple[dict, list[str]]:
     """Flatten nested KT sections and map old keys; returns (new data, notes of what changed)."""
     notes: list[str] = []
@@ -387,6 +390,12 @@ def translate_legacy(data: dict, where: str, base_dir: Path) -> tuple[dict, list
                               f"keep one")
         flat["gradient_checkpointing"] = enabled
         notes.append(f"disable_gradient_checkpointing -> gradient_checkpointing={enabled}")
+    if "infer_backend" in flat:  # LLaMA-Factory's chat engine key, in its KT chat YAMLs: ktcore chat is the engine
+        engine = str(flat.pop("infer_backend")).lower()
+        if engine not in INFER_BACKENDS:
+            raise ConfigError(f"{where}: infer_backend {engine!r}: ktcore chat runs the model itself "
+                              f"({' or '.join(INFER_BACKENDS)} mean that); drop the key, or chat without use_kt")
+        notes.append(f"infer_backend {engine}: ktcore's own generation")
     if kt_section:
         flat["kt_config"] = kt_section
     return flat, notes

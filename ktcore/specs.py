@@ -107,6 +107,7 @@ class FrontendSpec:
 
     name: str
     run: str  # "module:function" taking (config: TrainConfig) and returning a summary dict
+    evaluate: str = ""  # the same for `ktcore eval` (evaluation loss and perplexity); "" when it has none
     required_packages: tuple[str, ...] = ()
     stages: tuple[str, ...] = ("sft",)
     description: str = ""
@@ -127,6 +128,9 @@ class AdapterFormatSpec:
     files: tuple[str, ...] = ()  # a directory holding any of these files is in this format
     magic: bytes = b""  # a file starting with these bytes is in this format
     peft_native: bool = False  # PeftModel.from_pretrained reads the format's directories as they are
+    # formats whose files may share a directory with this format's: that directory is then in this format, whose
+    # reader must check the other format's files too (fused_expert beside peft: plain PEFT reads the PEFT half)
+    beside: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_name("adapter format", self.name)

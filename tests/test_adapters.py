@@ -109,6 +109,45 @@ def test_peft_fused_expert_peft_round_trip(trained, tmp_path):
     assert relative_error(ref, plain_logits(trained / "base", None, ids)) > 1e-3  # the adapter matters
 
 
+def test_fused_expert_dir_is_a_peft_dir_too(trained, tmp_path):
+    """`convert --to fused_expert` writes the PEFT files beside the fused ones: plain PeftModel on plain transformers
+    reads the directory, ktcore reads it (as fused_expert, verifying both halves), and both give the same logits."""
+    fe = tmp_path / "fe"
+    run = CliRunner().invoke(main, ["adapter", "convert", str(trained / "peft"), str(fe), "--to", "fused_expert"])
+    assert run.exit_code == 0, run.output
+    assert {FE, MANIFEST, PEFT_WEIGHTS, "adapter_config.json", "kt_integrity.json"} <= {p.name for p in fe.iterdir()}
+    assert core.sniff(fe) == "fused_expert"
+    assert set(json.loads((fe / MANIFEST).read_text())["peft_files"]) == {
+        PEFT_WEIGHTS, "adapter_config.json", "kt_integrity.json"}
+    assert_same_adapter_files(trained / "peft", fe)  # the PEFT half is the source adapter, bit for bit
+    run = CliRunner().invoke(main, ["adapter", "verify", str(fe), "--base", str(trained / "base")])
+    assert run.exit_code == 0 and "the same LoRA tensors as the fused files" in run.output, run.output
+    ids = _ids(4)
+    plain = plain_logits(trained / "base", fe, ids)
+    model = ktcore.load_model(trained / "base", {"kt_backend": "torch"}, progress=False)
+    model = core.load_adapter_into(model, fe, base=trained / "base").eval()
+    with torch.no_grad():
+        ours = model(ids).logits
+    assert relative_error(ours, plain) <= 1e-5
+    assert relative_error(plain, plain_logits(trained / "base", None, ids)) > 1e-3  # the adapter matters
+
+
+def test_fused_expert_halves_that_differ_are_refused(good_fe, other_peft, tmp_path):
+    """PEFT files swapped for another adapter's, the manifest's hashes made to match: `adapter verify` refuses."""
+    d = tmp_path / "fe"
+    shutil.copytree(good_fe, d)
+    shutil.copy(other_peft / PEFT_WEIGHTS, d / PEFT_WEIGHTS)
+    from ktcore.adapters.integrity import write_sidecar
+
+    write_sidecar(d, ("adapter_config.json", PEFT_WEIGHTS))
+    manifest = json.loads((d / MANIFEST).read_text())
+    for name in manifest["peft_files"]:
+        manifest["peft_files"][name] = {"size": (d / name).stat().st_size, "sha256": sha256_file(d / name)}
+    (d / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(AdapterError, match="different LoRA tensors"):
+        core.verify(d)
+
+
 def test_peft_gguf_peft_round_trip(trained, tmp_path):
     import gguf
 
@@ -270,6 +309,12 @@ CASES = {
     "alpha in manifest": (lambda d: _edit_manifest(d, lora={"r": 4, "alpha": 16.0}), "disagree"),
     "folder escapes": (lambda d: _edit_manifest(d, adapter_folder="../elsewhere"), "leaves the adapter root"),
     "absolute folder": (lambda d: _edit_manifest(d, adapter_folder="/tmp"), "relative path"),
+    "tampered PEFT weights": (lambda d: (d / PEFT_WEIGHTS).write_bytes((d / PEFT_WEIGHTS).read_bytes()[:-4] + b"\0\0\0\1"),
+                              "adapter_model.safetensors: SHA-256"),
+    "PEFT config edited": (lambda d: (d / "adapter_config.json").write_text(
+        (d / "adapter_config.json").read_text().replace('"r": 4', '"r": 4 ')), "adapter_config.json: size"),
+    "PEFT files not in the manifest": (lambda d: _edit_manifest(d, peft_files={}), "extra file"),
+    "PEFT file missing": (lambda d: (d / "kt_integrity.json").unlink(), "kt_integrity.json: missing"),
     "symlinked file": (lambda d: ((d / "real.bin").write_bytes((d / FE).read_bytes()), (d / FE).unlink(),
                                   (d / FE).symlink_to(d / "real.bin")), "symlink"),
 }
@@ -319,6 +364,20 @@ def test_symlinked_adapter_dir_and_hub_id(good_fe, tmp_path):
         core.load("some-org/some-adapter")
     run = CliRunner().invoke(main, ["adapter", "verify", "some-org/some-adapter"])
     assert run.exit_code == 2 and "download it first" in run.output
+
+
+@pytest.mark.parametrize("command", [["chat", "--prompt", "hi"], ["train", "--frontend", "trl"]])
+def test_hub_adapter_id_is_refused_before_the_model(trained, tmp_path, command):
+    """`ktcore chat` and `ktcore train` refuse a Hub adapter ID in one line (exit 2) before the model is read;
+    chat before it even looks for the model (its path here does not exist, the error is still the adapter's)."""
+    cfg = tmp_path / "cfg.yaml"
+    model = tmp_path / "no-model" if command[0] == "chat" else trained / "base"
+    cfg.write_text(f"model_name_or_path: {model}\nadapter_name_or_path: some-org/some-adapter\n"
+                   f"use_kt: true\noutput_dir: {tmp_path / 'out'}\ndataset: identity\nkt_config:\n  kt_backend: torch\n")
+    run = CliRunner().invoke(main, [command[0], str(cfg), *command[1:]])
+    lines = run.stderr.strip().splitlines()
+    assert run.exit_code == 2 and len(lines) == 1, run.output
+    assert "some-org/some-adapter" in lines[0] and "download it first" in lines[0], lines[0]
 
 
 def test_adapter_verify_prints_checks(good_fe, trained):

@@ -401,3 +401,13 @@ def test_config_errors_are_one_line_before_torch_is_imported(tmp_path, yaml_text
     assert status == "exit=2 heavy=[]", proc.stderr
     assert expected.format(cfg=cfg, tmp=tmp_path) in error
     assert error.startswith("error: ")
+
+
+def test_eval_with_a_frontend_without_evaluation_is_one_line(tmp_path):
+    """`ktcore eval --frontend trl`: the TRL frontend has no evaluation; one line naming the one that has."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("model_name_or_path: x\nuse_kt: false\neval_dataset: identity\n")
+    run = CliRunner().invoke(main, ["eval", str(cfg), "--frontend", "trl"])
+    lines = run.stderr.strip().splitlines()
+    assert run.exit_code == 2 and len(lines) == 1, run.output
+    assert "frontend 'trl' has no evaluation; use --frontend" in lines[0], lines[0]

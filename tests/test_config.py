@@ -417,3 +417,12 @@ def test_llamafactory_disable_gradient_checkpointing_is_understood(disable, enab
     assert cfg.gradient_checkpointing is enabled
     with pytest.raises(ConfigError, match="disagree"):
         config_from_dict({"disable_gradient_checkpointing": disable, "gradient_checkpointing": not enabled})
+
+
+def test_llamafactory_infer_backend_of_a_kt_chat_yaml():
+    """LLaMA-Factory's KT chat YAMLs say `infer_backend: ktransformers`: ktcore chat is that engine; an engine
+    ktcore cannot stand for (vllm, sglang) is refused in one line naming the key."""
+    for engine in ("ktransformers", "huggingface", "KTransformers"):
+        assert config_from_dict({"infer_backend": engine, "use_kt": True}, quiet=True).use_kt
+    with pytest.raises(ConfigError, match="infer_backend 'vllm': ktcore chat runs the model itself"):
+        config_from_dict({"infer_backend": "vllm"})

@@ -25,7 +25,8 @@ from ktcore.specs import FrontendSpec
 
 @hookimpl
 def ktcore_register_frontends():
-    return [FrontendSpec(name="elsewhere", run="{runner}:run", stages=("sft",), description="in its own venv")]
+    return [FrontendSpec(name="elsewhere", run="{runner}:run", evaluate="{runner}:evaluate", stages=("sft",),
+                         description="in its own venv")]
 '''
 
 RUNNER = '''
@@ -34,6 +35,10 @@ import sys
 
 def run(cfg):
     return {"ran_in": sys.prefix, "lora_rank": cfg.lora_rank}
+
+
+def evaluate(cfg):
+    return {"evaluated_in": sys.prefix, "eval_dataset": cfg.eval_dataset}
 '''
 
 
@@ -81,6 +86,16 @@ def test_train_runs_a_frontend_of_another_environment_there(tmp_path):
     listing = ktcore_cli("list-frontends", "--json", envs=envs)
     (row,) = [r for r in json.loads(listing.stdout) if r["name"] == "elsewhere"]
     assert str(env) in row["description"]
+
+
+def test_eval_runs_a_frontend_of_another_environment_there(tmp_path):
+    """`ktcore eval --frontend NAME` hands over as `train` does (the overrides travel with it)."""
+    envs = tmp_path / "envs"
+    env = make_env(envs, "elsewhere")
+    proc = ktcore_cli("eval", str(config(tmp_path)), "--frontend", "elsewhere", "eval_dataset=identity", envs=envs)
+    assert proc.returncode == 0, proc.stderr
+    assert f"ktcore: frontend 'elsewhere' is installed in {env}: running there" in proc.stderr
+    assert json.loads(proc.stdout)["eval_dataset"] == "identity"
 
 
 def test_a_half_built_environment_is_not_used(tmp_path):

@@ -258,3 +258,22 @@ def test_trained_adapter_carries_its_record_and_keeps_training(tmp_path, model_d
     result = CliRunner().invoke(main, ["train", str(_config(tmp_path / "c", model_dir, generated_data, max_steps=2,
                                                             adapter_name_or_path=str(out))), "--frontend", "trl"])
     assert result.exit_code == 2 and "adapter_config.json: size" in result.stderr, result.output
+
+
+def test_training_goes_on_from_a_fused_expert_directory(tmp_path, model_dir, generated_data):
+    """`adapter_name_or_path` may name the directory `adapter convert --to fused_expert` writes (PEFT files beside
+    the fused ones): training goes on from it; with its fused file tampered, it is refused up front."""
+    from ktcore import adapters
+
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    first = _train(_config(tmp_path / "a", model_dir, generated_data, max_steps=2))
+    fused = tmp_path / "fused"
+    adapters.convert(first["output_dir"], fused, "fused_expert", base=model_dir)
+    second = _train(_config(tmp_path / "b", model_dir, generated_data, max_steps=2, adapter_name_or_path=str(fused)))
+    assert second["steps"] == 2 and second["expert_lora_params"] > 0
+    experts = fused / "fused_expert_lora.safetensors"
+    experts.write_bytes(experts.read_bytes()[:-4] + b"\0\0\0\1")
+    result = CliRunner().invoke(main, ["train", str(_config(tmp_path / "c", model_dir, generated_data, max_steps=2,
+                                                            adapter_name_or_path=str(fused))), "--frontend", "trl"])
+    assert result.exit_code == 2 and "fused_expert_lora.safetensors: SHA-256" in result.stderr, result.output

@@ -3,7 +3,8 @@ the dispatch to the adapter-format plugins.
 
 A format plugin's ``AdapterFormatSpec`` declares how its files are recognised (``files``: names a directory in
 the format holds; ``magic``: the first bytes of a file in it), so telling a format needs no import of the
-plugin; its factory class has ``save(adapter, dst, base=None)``, ``load(path, base=None)`` and
+plugin (a format that declares another ``beside`` it owns a directory holding both formats' files, and its
+reader checks them all); its factory class has ``save(adapter, dst, base=None)``, ``load(path, base=None)`` and
 ``verify(path, base=None)``. ``convert``, ``verify``, ``load`` and ``load_adapter_into`` here sniff the format
 and dispatch to it.
 """
@@ -55,9 +56,12 @@ def _claims(spec: AdapterFormatSpec, path: Path) -> bool:
 def sniff(path) -> str:
     """The name of the format of the adapter at ``path`` (exactly one plugin must claim it)."""
     path = local_adapter_path(path)
-    claims = [name for name, spec in sorted(_specs().items()) if _claims(spec, path)]
-    if len(claims) == 1:
-        return claims[0]
+    specs = _specs()
+    claims = [name for name, spec in sorted(specs.items()) if _claims(spec, path)]
+    # a directory holding two formats' files side by side is in the one that declares the others ``beside`` it
+    leaders = [c for c in claims if set(claims) - {c} <= set(specs[c].beside)]
+    if len(leaders) == 1:
+        return leaders[0]
     if not claims:
         raise AdapterError(f"{path}: not an adapter in any installed format ({', '.join(format_names()) or 'none'}"
                            f" installed; `ktcore list-adapter-formats`)")

@@ -74,6 +74,21 @@ def write_sidecar(directory, names) -> None:
     atomic_write_bytes(directory / SIDECAR, json.dumps(record, indent=1, sort_keys=True).encode())
 
 
+def write_peft_files(adapter: Adapter, directory) -> tuple[str, ...]:
+    """The standard PEFT files of ``adapter`` and their ``kt_integrity.json`` in ``directory`` (the peft format's
+    whole directory; the half of a fused_expert directory plain PEFT reads); the names written."""
+    from safetensors.torch import save_file
+
+    from .canonical import peft_config_for, peft_state
+
+    directory = Path(directory)
+    save_file(peft_state(adapter), str(directory / PEFT_WEIGHTS), metadata={"format": "pt"})
+    (directory / PEFT_CONFIG).write_text(json.dumps(peft_config_for(adapter), indent=2, sort_keys=True),
+                                         encoding="utf-8")
+    write_sidecar(directory, PEFT_FILES)
+    return PEFT_FILES + (SIDECAR,)
+
+
 def check_sidecar(directory, required) -> str:
     """Check ``directory``'s ``kt_integrity.json`` (every file of ``required`` must be listed); the passed check,
     or a ``Note`` when there is no record."""

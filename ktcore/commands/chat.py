@@ -44,6 +44,10 @@ def load_for_chat(cfg: TrainConfig):
 
     from ..weights.loading import load_model
 
+    if cfg.adapter_name_or_path:  # a Hub ID is refused first, as in `ktcore train` (before any model is read)
+        from ..adapters.locate import local_adapter_path
+
+        local_adapter_path(cfg.adapter_name_or_path)
     path = resolve_model_path(cfg)
     check_inputs(cfg, path)  # bad input: one line, before any stage line
     _stage(f"loading the tokenizer of {path}", started)

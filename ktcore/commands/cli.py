@@ -152,6 +152,22 @@ def train(config_path, frontend, overrides):
         click.echo(json.dumps(summary, indent=2, default=str))
 
 
+@main.command("eval", context_settings={"ignore_unknown_options": False})
+@click.argument("config_path", metavar="CFG.yaml", type=click.Path(dir_okay=False))
+@click.option("--frontend", default="llamafactory", show_default=True, help="frontend plugin that evaluates")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def eval_cmd(config_path, frontend, overrides):
+    """Evaluation loss and perplexity of the model (and adapter) CFG.yaml describes on its eval_dataset."""
+    from ..config import load_config
+    from ..frontends import evaluate_frontend
+    from ..frontends.environments import hand_over
+
+    cfg = load_config(config_path, overrides)
+    if frontend not in get_registry().specs("frontend"):  # installed in an environment of its own?
+        hand_over(frontend, ["eval", config_path, "--frontend", frontend, *overrides])
+    click.echo(json.dumps(evaluate_frontend(frontend, cfg), indent=2, default=str))
+
+
 @main.command()
 @click.argument("config_path", metavar="CFG.yaml", type=click.Path(dir_okay=False))
 @click.option("--prompt", default=None, help="answer this one prompt and exit (default: interactive)")

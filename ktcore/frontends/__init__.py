@@ -25,6 +25,31 @@ def resolve_frontend(name: str) -> FrontendSpec:
     return registry.get("frontend", name, unavailable)
 
 
+def _imported(name: str, target: str):
+    try:
+        return import_object(target)
+    except Exception as exc:  # noqa: BLE001
+        raise PluginError(f"frontend {name!r}: cannot import {target}: {type(exc).__name__}: {exc}") from exc
+
+
+def evaluate_frontend(name: str, cfg: TrainConfig) -> dict:
+    """``ktcore eval``: the frontend's ``evaluate`` (loss and perplexity on ``eval_dataset``), after the checks
+    that need no model."""
+    spec = resolve_frontend(name)
+    with_eval = sorted(n for n, s in get_registry().specs("frontend").items() if s.evaluate)
+    if not spec.evaluate:
+        raise PluginError(f"frontend {name!r} has no evaluation; use --frontend "
+                          f"{' or '.join(with_eval) or 'llamafactory (scripts/setup_llamafactory.sh)'}")
+    if not cfg.model_name_or_path:
+        raise ConfigError(f"{cfg.where}: model_name_or_path is required")
+    if not (cfg.eval_dataset or cfg.dataset):
+        raise ConfigError(f"{cfg.where}: eval_dataset (or dataset) is required: the data to evaluate on")
+    from .skeleton import check_paths_and_backend
+
+    check_paths_and_backend(cfg, hub_ok=True)
+    return _imported(name, spec.evaluate)(cfg)
+
+
 def run_frontend(name: str, cfg: TrainConfig) -> dict:
     spec = resolve_frontend(name)
     where = cfg.where
@@ -38,8 +63,4 @@ def run_frontend(name: str, cfg: TrainConfig) -> dict:
     from .skeleton import check_paths_and_backend
 
     check_paths_and_backend(cfg, hub_ok=True)  # before the frontend's imports (torch, transformers) take seconds
-    try:
-        run = import_object(spec.run)
-    except Exception as exc:  # noqa: BLE001
-        raise PluginError(f"frontend {name!r}: cannot import {spec.run}: {type(exc).__name__}: {exc}") from exc
-    return run(cfg)
+    return _imported(name, spec.run)(cfg)

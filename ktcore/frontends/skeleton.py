@@ -33,6 +33,10 @@ def check_model_and_adapter(cfg: TrainConfig, *, hub_ok: bool = False) -> Path:
     """The model path (``check_paths_and_backend``), after checking that ``adapter_name_or_path``, if set, is a
     PEFT adapter directory to keep training that passes ``ktcore adapter verify`` against the model (its integrity
     record, no pickle, names, shapes, finiteness), and the lora_target names: all before any weight is read."""
+    if cfg.adapter_name_or_path:  # a Hub ID is refused first (ktcore reads adapters offline)
+        from ..adapters.locate import local_adapter_path
+
+        local_adapter_path(cfg.adapter_name_or_path)
     model = check_paths_and_backend(cfg, hub_ok=hub_ok)
     if cfg.adapter_name_or_path:
         from ..adapters import verify

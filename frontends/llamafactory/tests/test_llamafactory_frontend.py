@@ -153,6 +153,30 @@ def test_sft_adapter_loads_back(sft_run):
     torch.testing.assert_close(got_plain, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["fused_expert", "gguf"])
+def test_load_kt_peft_model_reads_every_adapter_format(sft_run, tmp_path, fmt):
+    """The trained adapter converted to the fused-expert directory or a GGUF LoRA file loads through
+    load_kt_peft_model (ktcore's adapter dispatch) and gives the trained model's logits."""
+    from types import SimpleNamespace
+
+    import ktcore
+    from ktcore import adapters
+    from ktcore_llamafactory.integration import load_kt_peft_model
+
+    summary, trainer, keys = sft_run
+    base_dir = keys["model_name_or_path"]
+    dst = tmp_path / ("adapter.gguf" if fmt == "gguf" else "adapter")
+    adapters.convert(summary["output_dir"], dst, fmt, base=base_dir)
+    assert adapters.sniff(dst) == fmt
+    ids = torch.tensor([[5, 77, 100, 32, 200, 66, 101, 44, 12, 90]])
+    with torch.no_grad():
+        want = trainer.model.eval()(input_ids=ids).logits
+        base = ktcore.load_model(base_dir, {"kt_backend": "torch"}, dtype=torch.float32, progress=False)
+        args = SimpleNamespace(adapter_name_or_path=[str(dst)], model_name_or_path=base_dir)
+        got = load_kt_peft_model(args, base, is_trainable=False)(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory, tiny_model_dir, shared_data):
     tmp = tmp_path_factory.mktemp("dpo")

@@ -9,6 +9,12 @@ A directory::
     kt_adapter_manifest.json        written last, atomically: version, status, expert weight format, base-model
                                     path and fingerprint, rank and alpha, each file's size and SHA-256, every
                                     tensor's shape and dtype, the PEFT config
+    adapter_config.json,            the same adapter as a standard PEFT directory (``peft_files``: their sizes and
+    adapter_model.safetensors,      SHA-256 in the manifest too), so plain ``PeftModel.from_pretrained`` reads
+    kt_integrity.json               the directory (ignoring the fused files) and LLaMA-Factory's
+                                    ``adapter_name_or_path`` takes it; ktcore reads the fused files (the
+                                    directory sniffs as fused_expert: the format is declared ``beside`` peft)
+                                    and refuses any PEFT file the manifest does not list with its hash
 
 Rank when splitting PEFT's fused gate_up LoRA: PEFT trains one rank-r LoRA on ``gate_up_proj [E, 2I, H]`` whose A
 is shared by the gate and up rows, so ``gate = (A, B[:, :I])`` and ``up = (A, B[:, I:])`` are exact LoRAs of
@@ -25,11 +31,11 @@ import os
 import re
 from pathlib import Path
 
-from ktcore.adapters import known_files
+from ktcore.adapters import get_format, known_files
 from ktcore.adapters.canonical import (PEFT_PREFIX, Adapter, AdapterError, fuse_gate_up, layer_of, peft_config_for,
                                        peft_state, split_expert_parts, uniform_rank)
 from ktcore.adapters.locate import base_fingerprint, local_adapter_path, resolve_base, safetensors_header
-from ktcore.adapters.integrity import check_file, file_record
+from ktcore.adapters.integrity import PEFT_FILES, SIDECAR, check_file, file_record, write_peft_files
 from ktcore.adapters.same_base import check_base
 from ktcore.files import atomic_dir, atomic_write_bytes
 from ktcore.outputs import MARKER as OUTPUT_MARKER
@@ -40,6 +46,7 @@ NON_EXPERT_FILE = "non_expert_lora.safetensors"
 FORMAT_ID = "ktcore-fused-expert-lora"
 VERSION = 1
 DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+PEFT_SIDE = PEFT_FILES + (SIDECAR,)  # what integrity.write_peft_files writes
 _KEY = re.compile(r"layers\.(\d+)\.experts\.(gate|up|down)_lora_(a|b)")
 
 
@@ -95,6 +102,7 @@ class Format:
             save_file(non_expert, str(tmp / NON_EXPERT_FILE), metadata={"format": "pt"})
             manifest["files"] = {n: file_record(tmp / n) for n in (EXPERTS_FILE, NON_EXPERT_FILE)}
             manifest["tensors"] = {n: safetensors_header(tmp / n) for n in (EXPERTS_FILE, NON_EXPERT_FILE)}
+            manifest["peft_files"] = {n: file_record(tmp / n) for n in write_peft_files(adapter, tmp)}
             atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         return Path(dst)
 
@@ -120,7 +128,7 @@ class Format:
         if not isinstance(manifest, dict):
             raise AdapterError(f"{mfile}: must be a JSON object, got a {type(manifest).__name__}; convert the adapter "
                                "again")
-        for key in ("files", "tensors", "lora", "base_model", "peft_config"):
+        for key in ("files", "tensors", "lora", "base_model", "peft_config", "peft_files"):
             if not isinstance(manifest.get(key) or {}, dict):
                 raise AdapterError(f"{mfile}: {key} must be an object, got a {type(manifest[key]).__name__}; "
                                    "convert the adapter again")
@@ -155,7 +163,13 @@ class Format:
             raise AdapterError(f"{mfile}: lists files {sorted(files)}, expected {EXPERTS_FILE} and {NON_EXPERT_FILE}")
         for name, meta in files.items():
             check_file(folder / name, meta, mfile)
+        peft_files = manifest.get("peft_files") or {}
+        if peft_files and set(peft_files) != set(PEFT_SIDE):
+            raise AdapterError(f"{mfile}: peft_files lists {sorted(peft_files)}, expected {', '.join(PEFT_SIDE)}")
+        for name, meta in peft_files.items():  # the PEFT half, beside the fused files in the adapter root
+            check_file(path / name, meta, mfile)
         allowed = {MANIFEST} | set(files) if folder.resolve() == root else {MANIFEST}
+        allowed |= set(peft_files)  # a PEFT file the manifest does not list is an extra file, refused below
         allowed.add(OUTPUT_MARKER)  # `ktcore adapter convert`'s marker (ktcore.outputs): whose output this is
         for place in {root, folder.resolve()}:
             for entry in sorted(place.iterdir()):
@@ -165,7 +179,8 @@ class Format:
                     continue
                 raise AdapterError(f"{entry}: extra file not listed in {MANIFEST}; refusing (remove it or convert "
                                    "again)")
-        checks.append(f"files: {', '.join(sorted(files))} present, regular, sizes and SHA-256 match; no extra files")
+        listed = ", ".join(sorted(files.keys() | peft_files.keys()))
+        checks.append(f"files: {listed} present, regular, sizes and SHA-256 match; no extra files")
 
         tensors = manifest.get("tensors") or {}
         lora = manifest.get("lora") or {}
@@ -238,7 +253,21 @@ class Format:
                 raise AdapterError(f"{folder / NON_EXPERT_FILE}: tensor {key!r} {info['shape']} is not rank {r}")
 
     def verify(self, path, base=None, expect_r=None, expect_alpha=None) -> list[str]:
-        return self.check(path, base, expect_r, expect_alpha)[2]
+        manifest, _, checks = self.check(path, base, expect_r, expect_alpha)
+        if manifest.get("peft_files"):
+            checks.append(self._same_halves(path, base))
+        return checks
+
+    def _same_halves(self, path, base) -> str:
+        """The PEFT half (what plain PEFT reads) holds exactly the LoRA of the fused files (what ktcore reads)."""
+        ours = {k: (a, b) for k, a, b in self.load(path, base).tensors()}
+        theirs = {k: (a, b) for k, a, b in get_format("peft").load(path, base).tensors()}
+        same = ours.keys() == theirs.keys() and all(
+            ours[k][0].equal(theirs[k][0]) and ours[k][1].equal(theirs[k][1]) for k in ours)
+        if not same:
+            raise AdapterError(f"{local_adapter_path(path)}: its PEFT files and its fused files hold different "
+                               "LoRA tensors; refusing (convert the adapter again)")
+        return f"{PEFT_SIDE[0]} + {PEFT_SIDE[1]}: the same LoRA tensors as the fused files (plain PEFT reads them)"
 
     # ---- reading -------------------------------------------------------------------------------------------
     def load(self, path, base=None, expect_r=None, expect_alpha=None) -> Adapter:

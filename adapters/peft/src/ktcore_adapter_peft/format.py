@@ -16,9 +16,8 @@ import re
 from pathlib import Path
 
 from ktcore.adapters import known_files
-from ktcore.adapters.canonical import (EXPERT_PARAMS, PEFT_PREFIX, Adapter, AdapterError, peft_config_for, peft_state,
-                                       uniform_rank)
-from ktcore.adapters.integrity import PEFT_CONFIG, PEFT_FILES, PEFT_WEIGHTS, check_sidecar, write_sidecar
+from ktcore.adapters.canonical import EXPERT_PARAMS, PEFT_PREFIX, Adapter, AdapterError, uniform_rank
+from ktcore.adapters.integrity import PEFT_CONFIG, PEFT_FILES, PEFT_WEIGHTS, check_sidecar, write_peft_files
 from ktcore.adapters.locate import local_adapter_path, safetensors_header
 from ktcore.files import atomic_dir
 
@@ -183,12 +182,7 @@ def _expert_pairs(module: str, entries, r: int, where) -> dict:
 
 def write_peft_dir(adapter: Adapter, dst) -> Path:
     """Write a standard PEFT adapter directory atomically (a temp dir renamed into place)."""
-    from safetensors.torch import save_file
-
     adapter.check()
     with atomic_dir(dst, known_files()) as tmp:
-        save_file(peft_state(adapter), str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
-        (tmp / PEFT_CONFIG).write_text(json.dumps(peft_config_for(adapter), indent=2, sort_keys=True),
-                                       encoding="utf-8")
-        write_sidecar(tmp, PEFT_FILES)
+        write_peft_files(adapter, tmp)
     return Path(dst)

@@ -88,16 +88,19 @@ def get_kt_peft_model(model, peft_kwargs: dict[str, Any]):
 
 
 def load_kt_peft_model(model_args, model, is_trainable: bool = True):
-    """``model`` with the adapter in ``model_args.adapter_name_or_path`` (incl. expert LoRA) loaded by PEFT."""
-    from peft import PeftModel
+    """``model`` with the adapter in ``model_args.adapter_name_or_path`` (incl. expert LoRA) in any installed
+    adapter format (a PEFT directory, a fused-expert directory, a GGUF LoRA file: ``ktcore.adapters`` sniffs it,
+    verifies it against the local base model and hands PEFT a PEFT directory)."""
+    from pathlib import Path
 
-    from ktcore.model.peft_expert_lora import peft_wrapping
+    from ktcore.adapters import load_adapter_into
 
     path = _adapter_path(model_args)
     if path is None:
         raise ConfigError("adapter_name_or_path is not set: nothing to load")
-    with peft_wrapping():
-        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    base = getattr(model_args, "model_name_or_path", None)  # a Hub ID or absent: checked without the base
+    base = Path(base) if base and Path(base).exists() else None
+    return load_adapter_into(model, path, base=base, is_trainable=is_trainable)
 
 
 def _peft_kwargs(finetuning_args) -> dict:

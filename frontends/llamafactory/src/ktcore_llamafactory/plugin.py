@@ -11,6 +11,7 @@ def ktcore_register_frontends():
         FrontendSpec(
             name="llamafactory",
             run="ktcore_llamafactory.train:run",
+            evaluate="ktcore_llamafactory.evaluate:run",
             required_packages=("llamafactory",),
             stages=("sft", "dpo"),
             description="LLaMA-Factory's own run_exp (SFT, DPO) on a ktcore-loaded model; LoRA incl. routed-expert LoRA",
