@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from .errors import ConfigError
+from .llamafactory_keys import LLAMAFACTORY_KEYS
 from .model.placement import parse_rules
 
 
@@ -132,6 +133,9 @@ class TrainConfig:
     kt_non_expert_weight_path: Optional[str] = _key("optional bf16 cache of the non-expert weights")
     # where the YAML came from (not a key)
     source: Optional[str] = field(default=None, metadata={"internal": True})
+    # LLaMA-Factory's keys that ktcore has none of its own for (ktcore.llamafactory_keys), as the YAML gave them:
+    # the frontends pass them on or refuse them
+    llamafactory_keys: dict = field(default_factory=dict, metadata={"internal": True})
 
     @property
     def where(self) -> str:
@@ -157,7 +161,7 @@ class TrainConfig:
             if isinstance(value, KTConfig):
                 value = {k: getattr(value, k) for k in KT_SECTION_KEYS}
             out[f.name] = value
-        return out
+        return {**out, **self.llamafactory_keys}
 
 
 # ---- validation ------------------------------------------------------------------------------------------
@@ -226,6 +230,9 @@ def _build(cls, data: dict, where: str, prefix: str = ""):
     known = {f.name: f for f in fields(cls) if not f.metadata.get("internal")}
     values = {}
     for name, value in data.items():
+        if cls is TrainConfig and name not in known and name in LLAMAFACTORY_KEYS:
+            values.setdefault("llamafactory_keys", {})[name] = value
+            continue
         if name not in known:
             raise ConfigError(f"{where}: unknown key {prefix + str(name)!r}{_nearest(str(name), known)}")
         f = known[name]

@@ -15,7 +15,7 @@ LAYERS = [
     ("experts",),
     ("model",),
     ("weights",),
-    ("config",),
+    ("config", "llamafactory_keys"),
     ("adapters",),
     ("frontends",),
     ("commands", "builtin", "testing", "__main__"),

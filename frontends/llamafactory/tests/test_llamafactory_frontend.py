@@ -303,3 +303,33 @@ def test_deepseek_v2_with_group_limited_greedy_routing_trains(tmp_path):
     # lora_B starts at zero (PEFT's init), so the first step moves B: its gradient is nonzero on every expert LoRA
     b_grads = [p.grad for n, p in peft_model.named_parameters() if ".experts." in n and "lora_B" in n]
     assert len(b_grads) == 2 and all(g is not None and torch.count_nonzero(g) > 0 for g in b_grads)
+
+
+def test_llamafactory_keys_reach_llamafactory(tmp_path, tiny_model_dir, shared_data, monkeypatch):
+    """A LLaMA-Factory key ktcore has none of its own for goes to LLaMA-Factory's own argument parser as given."""
+    monkeypatch.setenv("DISABLE_VERSION_CHECK", "1")  # as the frontend runs it (peft 0.21, see the setup script)
+    from llamafactory.hparams import get_train_args
+
+    from ktcore.config import config_from_dict
+    from ktcore_llamafactory.train import llamafactory_args
+
+    cfg = config_from_dict(base_keys(tiny_model_dir, shared_data, tmp_path / "out", flash_attn="disabled",
+                                     adam_beta2=0.95), quiet=True)
+    model_args, _, training_args, *_ = get_train_args(llamafactory_args(cfg))
+    assert model_args.flash_attn == "disabled" and training_args.adam_beta2 == 0.95
+
+
+def test_the_key_list_is_the_installed_llamafactorys(monkeypatch):
+    import dataclasses
+
+    monkeypatch.setenv("DISABLE_VERSION_CHECK", "1")
+    import llamafactory
+    import llamafactory.hparams as hparams
+
+    from ktcore.llamafactory_keys import LLAMAFACTORY_KEYS, LLAMAFACTORY_VERSION
+
+    classes = ("ModelArguments", "DataArguments", "TrainingArguments", "FinetuningArguments", "GeneratingArguments",
+               "EvaluationArguments", "RayArguments")
+    installed = {f.name for c in classes for f in dataclasses.fields(getattr(hparams, c)) if f.init}
+    assert llamafactory.__version__ == LLAMAFACTORY_VERSION
+    assert installed == LLAMAFACTORY_KEYS  # scripts/llamafactory_keys.py prints the installed set

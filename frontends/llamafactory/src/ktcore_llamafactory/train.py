@@ -135,7 +135,11 @@ def llamafactory_args(cfg: TrainConfig, model_dir=None) -> dict:
         args["resume_from_checkpoint"] = resume_checkpoint(cfg)
     if cfg.overwrite_output_dir:
         args["overwrite_output_dir"] = True
-    return args
+    # the YAML's LLaMA-Factory keys ktcore has none of its own for go to LLaMA-Factory as they are
+    if clash := sorted(set(cfg.llamafactory_keys) & set(args)):
+        raise ConfigError(f"{cfg.where}: {', '.join(clash)}: ktcore sets these for the LLaMA-Factory run itself "
+                          f"({', '.join(f'{k}={args[k]!r}' for k in clash)}); drop them from the YAML")
+    return {**args, **cfg.llamafactory_keys}
 
 
 def resume_checkpoint(cfg: TrainConfig):

@@ -61,6 +61,10 @@ def check_config(cfg: TrainConfig) -> None:
         if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
             raise ConfigError(f"{where}: report_to: tensorboard needs the tensorboard package; pip install "
                               "tensorboard (or ktcore-trl[tensorboard]), or set report_to: none")
+    if cfg.llamafactory_keys:  # refused now, not after the model loaded
+        from trl import DPOConfig, SFTConfig
+
+        stage_kwargs(cfg, DPOConfig if cfg.stage == "dpo" else SFTConfig)
     out = Path(cfg.output_dir)
     if (out.is_dir() and any(p.name != "runs" for p in out.iterdir()) and not cfg.overwrite_output_dir
             and not cfg.resume_from_checkpoint):
@@ -174,6 +178,36 @@ def trainer_kwargs(cfg, args_cls) -> dict:
                 **_checkpointing_kwargs(cfg, args_cls))
 
 
+def _stage_settings(cfg) -> dict:
+    """What the stage's TRL config gets beside ``trainer_kwargs``."""
+    if cfg.stage == "dpo":
+        # DPO optimises the preference loss alone: LLaMA-Factory's DPO trainer never adds the MoE load-balancing
+        # loss, so the same YAML gives the same objective in both frontends (SFT keeps it in both).
+        return dict(beta=cfg.pref_beta, loss_type=[PREF_LOSSES[cfg.pref_loss]], max_length=None,
+                    precompute_ref_log_probs=False, dataset_num_proc=None,  # precomputed by ktcore beforehand
+                    router_aux_loss_coef=0.0)
+    return dict(max_length=cfg.cutoff_len, packing=False, dataset_num_proc=None, completion_only_loss=None,
+                assistant_only_loss=False, shuffle_dataset=False)
+
+
+def stage_kwargs(cfg, args_cls) -> dict:
+    """Every keyword of the stage's TRL config (``args_cls``: SFTConfig or DPOConfig): ktcore's mapping of the
+    YAML, and the YAML's LLaMA-Factory keys that are fields of ``args_cls`` (transformers' TrainingArguments
+    mostly) as they are. A LLaMA-Factory key TRL has no field for, or one ktcore sets itself, is one line."""
+    import dataclasses
+
+    kwargs = {**trainer_kwargs(cfg, args_cls), **_stage_settings(cfg)}
+    extra = cfg.llamafactory_keys
+    fields = {f.name for f in dataclasses.fields(args_cls)}
+    if unknown := sorted(set(extra) - fields):
+        raise ConfigError(f"{cfg.where}: {', '.join(unknown)}: LLaMA-Factory key(s) the TRL frontend has no "
+                          "counterpart for; run --frontend llamafactory, or drop them")
+    if clash := sorted(set(extra) & set(kwargs)):
+        raise ConfigError(f"{cfg.where}: {', '.join(clash)}: ktcore sets these for the TRL run itself "
+                          f"({', '.join(f'{k}={kwargs[k]!r}' for k in clash)}); drop them from the YAML")
+    return {**kwargs, **extra}
+
+
 class KtTrainerMixin:
     """Added in front of TRL's trainers: exact per-step records (``recorder``), crash-safe checkpoints, the
     progress bar."""
@@ -241,8 +275,7 @@ def make_sft_trainer(model, tokenizer, dataset, cfg, callbacks=()):
                 self.recorder.record(self.state.global_step, loss, inputs, num_items_in_batch)
             return result
 
-    args = SFTConfig(**trainer_kwargs(cfg, SFTConfig), max_length=cfg.cutoff_len, packing=False, dataset_num_proc=None,
-                     completion_only_loss=None, assistant_only_loss=False, shuffle_dataset=False)
+    args = SFTConfig(**stage_kwargs(cfg, SFTConfig))
     return KtSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks))
 
@@ -329,11 +362,7 @@ def make_dpo_trainer(model, tokenizer, dataset, cfg, callbacks=(), peft_config=N
                     "rejected_tokens": rejected_mask.sum(dim=1).cpu().tolist()})
             return result
 
-    # DPO optimises the preference loss alone: LLaMA-Factory's DPO trainer never adds the MoE load-balancing loss,
-    # so the same YAML gives the same objective in both frontends (SFT keeps it in both).
-    args = DPOConfig(**trainer_kwargs(cfg, DPOConfig), beta=cfg.pref_beta, loss_type=[PREF_LOSSES[cfg.pref_loss]],
-                     max_length=None, precompute_ref_log_probs=False, dataset_num_proc=None,  # precomputed above
-                     router_aux_loss_coef=0.0)
+    args = DPOConfig(**stage_kwargs(cfg, DPOConfig))
     return KtDPOTrainer(model=model, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
                         callbacks=list(callbacks), peft_config=peft_config)
 
