@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import yaml
@@ -29,18 +28,11 @@ pytest.importorskip("ktcore_trl", reason="the TRL frontend package is not instal
 from ktcore_tiny import tiny_qwen3_moe  # noqa: E402
 from ktcore.commands.demo import build_byte_tokenizer  # noqa: E402
 from ktcore.files import FAULT_ENV, sha256_file  # noqa: E402
+from ktcore.testing.kills import previous_adapter, run_ktcore  # noqa: E402
 from ktcore.plugins.threads import usable_cores  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ADAPTER = ("adapter_config.json", "adapter_model.safetensors")
-
-
-def ktcore(*args, fault=None):
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-    if fault:
-        env[FAULT_ENV] = fault
-    return subprocess.run([sys.executable, "-m", "ktcore.commands.cli", *map(str, args)], env=env,
-                          capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +42,6 @@ def model_dir(tmp_path_factory):
     tiny_qwen3_moe(vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def previous_adapter(model_dir, out: Path) -> None:
-    """A previous run's adapter in output_dir: lora_alpha 32."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"]))
-    model.save_pretrained(out)
 
 
 def test_final_adapter_under_kill_and_resume_at_the_end(tmp_path, model_dir, shared_data):
@@ -73,17 +55,17 @@ def test_final_adapter_under_kill_and_resume_at_the_end(tmp_path, model_dir, sha
         max_steps=4, save_steps=2, logging_steps=1, seed=0, use_kt=True,
         kt_config={"kt_backend": "torch", "kt_num_threads": usable_cores() + 94})))
 
-    killed = ktcore("train", config, "--frontend", "trl", fault="save_adapter:old-config-removed")
+    killed = run_ktcore("train", config, "--frontend", "trl", fault="save_adapter:old-config-removed")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     # item 8: more threads than cores -> capped, said once
     assert killed.stderr.count(f"kt_num_threads {usable_cores() + 94} is more than the {usable_cores()} cores") == 1
     assert not (out / "adapter_config.json").exists()  # the previous run's config is gone before any new file lands
-    refused = ktcore("adapter", "verify", out)
+    refused = run_ktcore("adapter", "verify", out)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
-    killed = ktcore("train", config, "--frontend", "trl", fault="save_adapter:file-moved")  # after the first move
+    killed = run_ktcore("train", config, "--frontend", "trl", fault="save_adapter:file-moved")  # after the first move
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert not (out / "adapter_config.json").exists() and ktcore("adapter", "verify", out).returncode == 2
+    assert not (out / "adapter_config.json").exists() and run_ktcore("adapter", "verify", out).returncode == 2
     [staged] = [p for p in out.iterdir() if p.name.startswith(".adapter.ktcore-")]
     ckpt = out / "checkpoint-4"
     final = {n: staged / n if (staged / n).exists() else out / n for n in ADAPTER}
@@ -91,7 +73,7 @@ def test_final_adapter_under_kill_and_resume_at_the_end(tmp_path, model_dir, sha
     # the final save writes the last checkpoint's adapter byte for byte: republishing it from there is exact
     assert all(sha256_file(final[n]) == sha256_file(ckpt / n) for n in ADAPTER)
 
-    resumed = ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true")
+    resumed = run_ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout[resumed.stdout.index("{"):])
     assert summary["nothing_to_train"] and summary["steps"] == 4
@@ -100,15 +82,16 @@ def test_final_adapter_under_kill_and_resume_at_the_end(tmp_path, model_dir, sha
     assert not staged.exists() and not (out / "checkpoint-5").exists() and not (out / "checkpoint-6").exists()
     assert all(sha256_file(out / n) == sha256_file(ckpt / n) for n in ADAPTER)
     assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 64
-    assert ktcore("adapter", "verify", out).returncode == 0
+    assert run_ktcore("adapter", "verify", out).returncode == 0
 
     stamps = {n: (out / n).stat().st_mtime_ns for n in ADAPTER}
-    again = ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true")
+    again = run_ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true")
     assert again.returncode == 0, again.stderr[-3000:]
     notes = [line for line in again.stderr.splitlines() if "nothing to train" in line]
     assert len(notes) == 1 and "holds its final adapter" in notes[0], again.stderr[-3000:]
     assert {n: (out / n).stat().st_mtime_ns for n in ADAPTER} == stamps  # overwrites nothing
-    more = ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true", "max_steps=5", "save_steps=5")
+    more = run_ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true", "max_steps=5",
+                      "save_steps=5")
     assert more.returncode == 0 and json.loads(more.stdout[more.stdout.index("{"):])["steps"] == 5, more.stderr[-3000:]
 
 
@@ -158,13 +141,13 @@ def test_resume_at_the_end_of_an_epoch_run_trains_nothing(tmp_path, model_dir, s
         dataset="identity", max_samples=4, template="default", cutoff_len=64, output_dir=str(out),
         per_device_train_batch_size=2, num_train_epochs=1.5, save_steps=1, logging_steps=1, seed=0, use_kt=True,
         kt_config={"kt_backend": "torch"})))
-    first = ktcore("train", config, "--frontend", "trl")
+    first = run_ktcore("train", config, "--frontend", "trl")
     assert first.returncode == 0, first.stderr[-3000:]
     steps = json.loads(first.stdout[first.stdout.index("{"):])["steps"]
-    resumed = ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true")
+    resumed = run_ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout[resumed.stdout.index("{"):]).get("nothing_to_train"), resumed.stderr[-3000:]
-    more = ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true",
+    more = run_ktcore("train", config, "--frontend", "trl", "resume_from_checkpoint=true",
                   "num_train_epochs=3")
     assert more.returncode == 0, more.stderr[-3000:]
     assert json.loads(more.stdout[more.stdout.index("{"):])["steps"] > steps

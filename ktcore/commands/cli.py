@@ -134,20 +134,27 @@ def doctor(as_json, seconds):
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
+def _config_here(command: str, config_path, frontend: str, overrides):
+    """The config, checked here first; a frontend installed only in an environment of its own gets the same
+    ``ktcore COMMAND`` there instead (this process is replaced)."""
+    from ..config import load_config
+    from ..frontends.environments import hand_over
+
+    cfg = load_config(config_path, overrides)
+    if frontend not in get_registry().specs("frontend"):
+        hand_over(frontend, [command, config_path, "--frontend", frontend, *overrides])
+    return cfg
+
+
 @main.command(context_settings={"ignore_unknown_options": False})
 @click.argument("config_path", metavar="CFG.yaml", type=click.Path(dir_okay=False))
 @click.option("--frontend", default="trl", show_default=True, help="training frontend plugin")
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def train(config_path, frontend, overrides):
     """Train the LoRA adapter described by CFG.yaml with a frontend (KEY=VALUE overrides keys)."""
-    from ..config import load_config
     from ..frontends import run_frontend
-    from ..frontends.environments import hand_over
 
-    cfg = load_config(config_path, overrides)
-    if frontend not in get_registry().specs("frontend"):  # installed in an environment of its own?
-        hand_over(frontend, ["train", config_path, "--frontend", frontend, *overrides])
-    summary = run_frontend(frontend, cfg)
+    summary = run_frontend(frontend, _config_here("train", config_path, frontend, overrides))
     if is_main_rank():  # launched on several ranks (torchrun, accelerate launch): one summary, rank 0's
         click.echo(json.dumps(summary, indent=2, default=str))
 
@@ -158,13 +165,9 @@ def train(config_path, frontend, overrides):
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def eval_cmd(config_path, frontend, overrides):
     """Evaluation loss and perplexity of the model (and adapter) CFG.yaml describes on its eval_dataset."""
-    from ..config import load_config
     from ..frontends import evaluate_frontend
-    from ..frontends.environments import hand_over
 
-    cfg = load_config(config_path, overrides)
-    if frontend not in get_registry().specs("frontend"):  # installed in an environment of its own?
-        hand_over(frontend, ["eval", config_path, "--frontend", frontend, *overrides])
+    cfg = _config_here("eval", config_path, frontend, overrides)
     click.echo(json.dumps(evaluate_frontend(frontend, cfg), indent=2, default=str))
 
 

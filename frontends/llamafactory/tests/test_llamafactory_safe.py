@@ -15,28 +15,18 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import base_keys, write_yaml
 
-from ktcore.files import FAULT_ENV, sha256_file
+from ktcore.files import sha256_file
+from ktcore.testing.kills import previous_adapter, run_ktcore
 
 pytestmark = pytest.mark.slow
 ADAPTER = ("adapter_config.json", "adapter_model.safetensors")
-
-
-def ktcore(*args, fault=None):
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-    if fault:
-        env[FAULT_ENV] = fault
-    return subprocess.run([sys.executable, "-m", "ktcore.commands.cli", *map(str, args)], env=env,
-                          capture_output=True, text=True)
 
 
 def summary_of(result) -> dict:
@@ -51,31 +41,21 @@ def summary_of(result) -> dict:
     raise AssertionError(f"no JSON summary on stdout: {result.stdout[-2000:]}")
 
 
-def previous_adapter(model_dir, out: Path) -> None:
-    """A previous run's adapter in output_dir: lora_alpha 32."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"]))
-    model.save_pretrained(out)
-
-
 def test_final_adapter_under_kill_integrity_and_resume_at_the_end(tmp_path, tiny_model_dir, shared_data):
     out = tmp_path / "run"
     previous_adapter(tiny_model_dir, out)
     config = write_yaml(tmp_path / "train.yaml", **base_keys(tiny_model_dir, shared_data, out, lora_alpha=64,
                                                              max_samples=8, max_steps=3, save_steps=3))
 
-    killed = ktcore("train", config, "--frontend", "llamafactory", fault="save_adapter:old-config-removed")
+    killed = run_ktcore("train", config, "--frontend", "llamafactory", fault="save_adapter:old-config-removed")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not (out / "adapter_config.json").exists()  # the previous run's config is gone before any new file lands
-    refused = ktcore("adapter", "verify", out)
+    refused = run_ktcore("adapter", "verify", out)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
-    killed = ktcore("train", config, "--frontend", "llamafactory", fault="save_adapter:file-moved")  # first move
+    killed = run_ktcore("train", config, "--frontend", "llamafactory", fault="save_adapter:file-moved")  # first move
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert not (out / "adapter_config.json").exists() and ktcore("adapter", "verify", out).returncode == 2
+    assert not (out / "adapter_config.json").exists() and run_ktcore("adapter", "verify", out).returncode == 2
     [staged] = [p for p in out.iterdir() if p.name.startswith(".adapter.ktcore-")]
     assert (staged / "adapter_config.json").exists() and (staged / "kt_integrity.json").exists()  # config last
     ckpt = out / "checkpoint-3"
@@ -83,7 +63,7 @@ def test_final_adapter_under_kill_integrity_and_resume_at_the_end(tmp_path, tiny
     # the final save writes the last checkpoint's adapter byte for byte: republishing it from there is exact
     assert all(sha256_file(final[n]) == sha256_file(ckpt / n) for n in ADAPTER)
 
-    resumed = ktcore("train", config, "--frontend", "llamafactory", "resume_from_checkpoint=true")
+    resumed = run_ktcore("train", config, "--frontend", "llamafactory", "resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = summary_of(resumed)
     assert summary["nothing_to_train"] and summary["steps"] == 3 and summary["frontend"] == "llamafactory"
@@ -92,18 +72,18 @@ def test_final_adapter_under_kill_integrity_and_resume_at_the_end(tmp_path, tiny
     assert not staged.exists() and not (out / "checkpoint-4").exists()
     assert all(sha256_file(out / n) == sha256_file(ckpt / n) for n in ADAPTER)
     assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 64
-    verified = ktcore("adapter", "verify", out)
+    verified = run_ktcore("adapter", "verify", out)
     assert verified.returncode == 0 and "kt_integrity.json" in verified.stdout + verified.stderr, verified
 
     stamps = {n: (out / n).stat().st_mtime_ns for n in ADAPTER}
-    again = ktcore("train", config, "--frontend", "llamafactory", "resume_from_checkpoint=true")
+    again = run_ktcore("train", config, "--frontend", "llamafactory", "resume_from_checkpoint=true")
     assert again.returncode == 0, again.stderr[-3000:]
     notes = [line for line in again.stderr.splitlines() if "nothing to train" in line]
     assert len(notes) == 1 and "holds its final adapter" in notes[0], again.stderr[-3000:]
     assert {n: (out / n).stat().st_mtime_ns for n in ADAPTER} == stamps  # overwrites nothing
 
     # asking for more trains on, and that final save (LLaMA-Factory's save_model) is sealed and marked too
-    more = ktcore("train", config, "--frontend", "llamafactory", "resume_from_checkpoint=true", "max_steps=4",
+    more = run_ktcore("train", config, "--frontend", "llamafactory", "resume_from_checkpoint=true", "max_steps=4",
                   "save_steps=4")
     assert more.returncode == 0 and summary_of(more)["steps"] == 4, more.stderr[-3000:]
     marker = json.loads((out / ".ktcore-output.json").read_text())
@@ -112,12 +92,12 @@ def test_final_adapter_under_kill_integrity_and_resume_at_the_end(tmp_path, tiny
     record = json.loads((out / "kt_integrity.json").read_text())["files"]
     assert record["adapter_model.safetensors"]["sha256"] == sha256_file(out / "adapter_model.safetensors")
     assert not [p for p in out.iterdir() if p.name.startswith(".adapter.ktcore-")]
-    assert ktcore("adapter", "verify", out).returncode == 0
+    assert run_ktcore("adapter", "verify", out).returncode == 0
     weights = out / "adapter_model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    tampered = ktcore("adapter", "verify", out)
+    tampered = run_ktcore("adapter", "verify", out)
     assert tampered.returncode == 2 and "kt_integrity.json" in tampered.stderr, tampered.stderr
 
 
@@ -155,7 +135,7 @@ def test_a_dataset_file_name_outside_dataset_dir_is_refused(tmp_path, tiny_model
         _with_file_name(data_dir, "identity_parts")
     with pytest.raises(ConfigError, match="dataset 'identity': file_name"):
         check_config(load_config(config))
-    refused = ktcore("train", config, "--frontend", "llamafactory")
+    refused = run_ktcore("train", config, "--frontend", "llamafactory")
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and "refusing" in lines[0], refused.stderr[-3000:]
     assert not (tmp_path / "out").exists()
