@@ -1,0 +1,38 @@
+"""The int8 expert weight scheme, ``int8-sym-channel-v1``: what `ktcore convert --format int8` stores and the
+amx_int8 backend computes with.
+
+A weight ``W [..., N, K]`` (N output channels, K inputs; gate/up ``[E, I, H]``, down ``[E, H, I]``) becomes
+
+    scales[..., n] = max_k |W[..., n, k]| / 127                          (float32)
+    codes[..., n, k] = clamp(round_half_even(W[..., n, k] / scales[..., n]), -127, 127)   (int8; 0 where the row is 0)
+
+and ``W ~= codes * scales[..., None]``. Symmetric (no zero point), one scale per output channel and expert, -128
+never used, so a transposed use of the same codes (the backward's ``W^T g``) is exact in the codes too. The
+division is in float32, rounding to nearest even, so a native quantiser written the same way gives the same codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYOUT = "int8-sym-channel-v1"
+QMAX = 127
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes int8 [..., N, K], scales float32 [..., N])`` of ``weight [..., N, K]``."""
+    if weight.dim() < 2 or not weight.is_floating_point():
+        raise ValueError(f"expected a floating-point weight [..., N, K], got {weight.dtype} {tuple(weight.shape)}")
+    w = weight.to(torch.float32)
+    scales = w.abs().amax(dim=-1) / QMAX
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(w / divisor.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes * scales`` as ``dtype``: the weights the int8 backend computes with."""
+    if codes.dtype != torch.int8 or scales.dtype != torch.float32 or codes.shape[:-1] != scales.shape:
+        raise ValueError(f"expected int8 codes [..., N, K] and float32 scales [..., N], got {codes.dtype} "
+                         f"{tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    return (codes.to(torch.float32) * scales.unsqueeze(-1)).to(dtype)
