@@ -13,6 +13,8 @@ division is in float32, rounding to nearest even, so a native quantiser written 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 LAYOUT = "int8-sym-channel-v1"
@@ -36,3 +38,25 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
         raise ValueError(f"expected int8 codes [..., N, K] and float32 scales [..., N], got {codes.dtype} "
                          f"{tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)}")
     return (codes.to(torch.float32) * scales.unsqueeze(-1)).to(dtype)
+
+
+@dataclass
+class Int8Experts:
+    """One layer's routed experts in ``LAYOUT``: ``(codes, scales)`` per projection, gate/up ``[E, I, H]`` /
+    ``[E, I]``, down ``[E, H, I]`` / ``[E, H]``. An expert source that holds int8 weights (the packed store)
+    offers ``read_int8() -> Int8Experts``; a backend that computes with int8 takes them through ``pack_source``."""
+
+    gate: tuple[torch.Tensor, torch.Tensor]
+    up: tuple[torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def quantize(cls, weights) -> "Int8Experts":
+        """From dense ``ktcore.experts.ExpertWeights``."""
+        return cls(quantize(weights.gate), quantize(weights.up), quantize(weights.down))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32):
+        """The dense ``ExpertWeights`` these codes stand for."""
+        from ktcore.experts import ExpertWeights
+
+        return ExpertWeights(*(dequantize(c, s, dtype) for c, s in (self.gate, self.up, self.down)))
