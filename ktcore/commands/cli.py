@@ -184,13 +184,34 @@ def chat(config_path, prompt, overrides):
 
 
 @main.command("convert")
-@click.argument("model", metavar="MODEL.gguf", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", metavar="MODEL", type=click.Path(exists=True))
 @click.option("--format", "fmt", default=None,
-              help="block type of the routed experts (default: the converter's first, q4_k for llamafile's)")
+              help="a model directory: bf16 or int8 (default bf16); a .gguf file: the GGUF block type (default: "
+                   "the converter's first, q4_k for llamafile's)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory")
-def convert_cmd(model, fmt, out):
-    """Re-quantise a model's routed experts (--format) with the converter of the installed expert backend that
-    writes that format (llamafile: a GGUF model -> DIR/<name>.<fmt>.gguf, everything else copied as is)."""
+@click.option("--threadpools", type=click.IntRange(min=1), default=1, show_default=True,
+              help="a model directory: split each layer's experts into this many thread-pool files")
+@click.option("--non-expert", is_flag=True, help="a model directory: every tensor but the routed experts, in bf16")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+def convert_cmd(model, fmt, out, threadpools, non_expert, quiet):
+    """MODEL a safetensors model directory (FP8 DeepSeek-V3 included): write its routed experts (--format
+    bf16|int8), or with --non-expert every other tensor, as a weight store for kt_weight_path /
+    kt_non_expert_weight_path; an interrupted run resumes. MODEL.gguf: re-quantise its routed experts with the
+    converter of the installed expert backend that writes --format (llamafile: DIR/<name>.<fmt>.gguf)."""
+    from pathlib import Path
+
+    if Path(model).is_dir():
+        from ..weights.convert import FORMATS, convert_model
+
+        if non_expert and fmt not in (None, "bf16"):
+            raise click.UsageError("--non-expert writes bf16; drop --format")
+        if fmt not in (None, *FORMATS):
+            raise click.UsageError(f"--format {fmt}: a model directory converts to one of {', '.join(FORMATS)}")
+        summary = convert_model(model, out, fmt or "bf16", threadpools, non_expert, progress=not quiet)
+        click.echo(json.dumps(summary, indent=2))
+        return
+    if non_expert or threadpools != 1:
+        raise click.UsageError("--non-expert and --threadpools take a safetensors model directory, not a file")
     converters = [(spec, f) for _, spec in sorted(get_registry().specs("expert_backend").items()) if spec.converter
                   for f in spec.convert_formats]
     if not converters:

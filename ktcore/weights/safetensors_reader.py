@@ -143,6 +143,9 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple:
         return self._entries[name].shape
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[name].dtype
+
     def expect(self, name: str, shape: tuple, what: str = "") -> None:
         if name not in self._entries:
             raise CheckpointError(f"{self.root}: tensor {name!r}{what} is missing from the checkpoint")
@@ -190,18 +193,23 @@ def checkpoint_names(ckpt: SafetensorsCheckpoint, arch) -> dict:
     return mapping
 
 
+def expert_dims(arch, module) -> tuple[int, int, int]:
+    """(experts E, intermediate I, hidden H) of one experts module (a dense MLP is one expert)."""
+    if arch.dense_mlp:
+        inter, hidden = module.gate_proj.weight.shape
+        return 1, inter, hidden
+    num_experts, rows, cols = module.gate_up_proj.shape
+    if getattr(module, "is_transposed", False):  # [E, H, 2I] instead of [E, 2I, H]
+        return num_experts, cols // 2, rows
+    return num_experts, rows // 2, cols
+
+
 class SafetensorsExpertSource:
     """Where one layer's experts are in the checkpoint, validated against the model's shapes."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, arch, layer: int, module):
         self.ckpt, self.arch, self.layer = ckpt, arch, layer
-        if arch.dense_mlp:
-            self.num_experts = 1
-            inter, hidden = module.gate_proj.weight.shape
-        else:
-            self.num_experts, rows, cols = module.gate_up_proj.shape
-            transposed = getattr(module, "is_transposed", False)  # [E, H, 2I] instead of [E, 2I, H]
-            hidden, inter = (rows, cols // 2) if transposed else (cols, rows // 2)
+        self.num_experts, inter, hidden = expert_dims(arch, module)
         self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # nn.Linear [out, in]
         self.module = module
         what = f" (routed experts of layer {layer})"
