@@ -337,3 +337,60 @@ def test_expert_weights_of_a_store_are_those_of_the_checkpoint(bf16_model, store
             assert isinstance(got, ExpertWeights) and not hasattr(StoreExpertSource, "read_int8")
             for a, b in zip((got.gate, got.up, got.down), (want.gate, want.up, want.down)):
                 assert torch.equal(a, b)
+
+
+# ---- the seed's INT8 recipe through the TRL frontend ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_seed_int8_yaml_trains_through_trl_as_the_dequantised_checkpoint(tmp_path, shared_data):
+    """examples/deepseek_v3_int8.yaml (kt_weight_path, kt_non_expert_weight_path, kt_expert_weight_format: int8)
+    with its paths pointed at a tiny chat MoE's stores, on the torch backend (the amx_int8 backend needs AMX):
+    the loss curve is the one of the same YAML on a checkpoint holding the dequantised int8 experts."""
+    pytest.importorskip("ktcore_trl", reason="the TRL frontend is not installed (pip install -e frontends/trl)")
+    import yaml
+    from safetensors.torch import load_file, save_file
+
+    from ktcore.testing.tiny import save_tiny_chat_moe
+    from ktcore.weights.store_sources import Int8StoreExpertSource
+
+    model = save_tiny_chat_moe(tmp_path / "model")
+    for args, out in ((["--format", "int8"], "int8"), (["--non-expert"], "non_expert")):
+        assert run_ktcore("convert", model, *args, "--out", tmp_path / out, "--quiet").returncode == 0
+    # the truth: the same checkpoint with every expert replaced by its int8 codes dequantised (fp32)
+    truth = tmp_path / "truth"
+    shutil.copytree(model, truth)
+    from ktcore.model.wrap import expert_modules, find_arch
+    from ktcore.weights.loading import meta_model_of
+
+    config, meta = meta_model_of(model)
+    arch = find_arch(config)
+    store = open_store(tmp_path / "int8", "experts", model_fingerprint(model), "kt_weight_path")
+    state = load_file(truth / "model.safetensors")
+    for layer, name, module in expert_modules(meta, arch):
+        dense = Int8StoreExpertSource(store, name, arch, module).read(torch.float32)
+        for e in range(dense.num_experts):
+            for part, value in (("gate", dense.gate), ("up", dense.up), ("down", dense.down)):
+                key = f"{name}.{e}.{part}_proj.weight"
+                assert key in state, key
+                state[key] = value[e].clone()
+    save_file(state, truth / "model.safetensors", metadata={"format": "pt"})
+
+    seed = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "deepseek_v3_int8.yaml").read_text())
+    assert seed["kt_config"]["kt_expert_weight_format"] == "int8"
+    runs = {}
+    for label, paths in (("stores", {"model_name_or_path": str(model), "kt_weight_path": str(tmp_path / "int8"),
+                                     "kt_non_expert_weight_path": str(tmp_path / "non_expert")}),
+                         ("truth", {"model_name_or_path": str(truth), "kt_weight_path": None,
+                                    "kt_non_expert_weight_path": None})):
+        cfg = {**seed, **paths, "dataset_dir": str(shared_data), "output_dir": str(tmp_path / f"out-{label}"),
+               "max_steps": 3, "plot_loss": False, "gradient_accumulation_steps": 2, "cutoff_len": 128,
+               "kt_config": {**seed["kt_config"], "kt_backend": "torch", "kt_expert_weight_format": "auto",
+                             "kt_num_threads": 2}}
+        (tmp_path / f"{label}.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if v is not None}))
+        result = CliRunner().invoke(main, ["train", str(tmp_path / f"{label}.yaml"), "--frontend", "trl"])
+        assert result.exit_code == 0, (result.output, result.exception)
+        start = 0 if result.stdout.startswith("{\n") else result.stdout.rindex("\n{\n")
+        runs[label] = json.JSONDecoder().raw_decode(result.stdout[start:].lstrip())[0]
+    assert runs["stores"]["steps"] == 3 and (tmp_path / "out-stores" / "adapter_model.safetensors").is_file()
+    assert runs["stores"]["losses"] == pytest.approx(runs["truth"]["losses"], rel=1e-5, abs=1e-6)
