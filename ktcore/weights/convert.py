@@ -20,8 +20,10 @@ checkpoint, and the store is read without it.
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -87,42 +89,55 @@ def is_fp8(ckpt: SafetensorsCheckpoint) -> bool:
     return any(ckpt.dtype(name) in FP8_DTYPES for name in ckpt.keys())
 
 
+def default_workers() -> int:
+    """Layers converted at once: reading, hashing and writing one file is one core's work, so a few layers in
+    flight keep a fast disk busy (host memory: one layer's weights per worker)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 def convert_experts(ckpt: SafetensorsCheckpoint, arch, modules, out, fmt: str, fingerprint: str,
-                    threadpools: int = 1, progress: bool = True) -> dict:
-    """Write the routed experts of ``modules`` (``expert_modules``) read from ``ckpt`` into the store ``out``."""
+                    threadpools: int = 1, progress: bool = True, workers: int = 0) -> dict:
+    """Write the routed experts of ``modules`` (``expert_modules``) read from ``ckpt`` into the store ``out``,
+    ``workers`` layers at a time (0: ``default_workers()``)."""
     if fmt not in FORMATS:
         raise CheckpointError(f"--format {fmt}: a safetensors model converts to one of {', '.join(FORMATS)}")
     sources = [(layer, name, SafetensorsExpertSource(ckpt, arch, layer, module)) for layer, name, module in modules]
-    inter = sources[0][2].shapes["gate"][0]
+    e, (inter, hidden) = sources[0][2].num_experts, sources[0][2].shapes["gate"]
     ranges = pool_ranges(inter, threadpools)
     writer = StoreWriter(Path(out), identity("experts", fmt, fingerprint, threadpools))
     if writer.finished:
-        return {"out": str(out), "written": [], "kept": "all (the store was already complete)"}
-    writer.expect_names(expert_file(layer, p) for layer, _, _ in sources for p in range(threadpools))
-    written, kept, nbytes, start = [], [], 0, time.perf_counter()
-    layers = {}
-    for layer, name, source in tqdm(sources, desc=f"convert experts -> {fmt}", unit="layer", disable=not progress):
-        files = [expert_file(layer, p) for p in range(threadpools)]
-        layers[name] = {"layer": layer, "files": files}
-        if all(writer.done(f) for f in files):
-            kept.append(layer)
-            continue
+        return {"out": str(out), "format": fmt, "threadpools": threadpools, "written_layers": [],
+                "kept_layers": "all: the store was already complete", "bytes_written": 0, "seconds": 0.0}
+    files = {layer: [expert_file(layer, p) for p in range(threadpools)] for layer, _, _ in sources}
+    writer.expect_names(f for names in files.values() for f in names)
+    todo = [(layer, source) for layer, _, source in sources if not all(writer.done(f) for f in files[layer])]
+
+    def convert_layer(layer: int, source) -> int:
         weights = source.read(torch.float32 if fmt == "int8" else torch.bfloat16)
-        if fmt == "int8":
+        if fmt == "int8":  # from the float32 weights (FP8 dequantised in float32), never from a bf16 rounding
             weights = Int8Experts.quantize(weights)
+        written = 0
         for pool, (begin, end) in enumerate(ranges):
-            if not writer.done(files[pool]):
-                writer.write(files[pool], pool_tensors(weights, fmt, begin, end), {"format": "pt"})
-                nbytes += writer.files[files[pool]]["size"]
-        written.append(layer)
-        del weights
+            if not writer.done(files[layer][pool]):
+                written += writer.write(files[layer][pool], pool_tensors(weights, fmt, begin, end), {"format": "pt"})
+        return written
+
+    start, nbytes = time.perf_counter(), 0
+    executor = ThreadPoolExecutor(max_workers=workers or default_workers())
+    try:
+        futures = [executor.submit(convert_layer, layer, source) for layer, source in todo]
+        for future in tqdm(as_completed(futures), total=len(futures), desc=f"convert experts -> {fmt}",
+                           unit="layer", disable=not progress):
+            nbytes += future.result()
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)  # a failed layer stops the rest
     seconds = time.perf_counter() - start
-    e, i, h = source.num_experts, inter, source.shapes["gate"][1]
-    writer.finish({"layers": layers, "shapes": {"num_experts": e, "intermediate_size": i, "hidden_size": h},
+    writer.finish({"layers": {name: {"layer": layer, "files": files[layer]} for layer, name, _ in sources},
+                   "shapes": {"num_experts": e, "intermediate_size": inter, "hidden_size": hidden},
                    "pool_ranges": ranges, "source_fp8": is_fp8(ckpt)})
-    return {"out": str(out), "format": fmt, "threadpools": threadpools, "written_layers": written,
-            "kept_layers": kept, "bytes_written": nbytes, "seconds": round(seconds, 3),
-            "mb_per_s": round(nbytes / max(seconds, 1e-9) / 1e6, 1)}
+    return {"out": str(out), "format": fmt, "threadpools": threadpools, "written_layers": sorted(l for l, _ in todo),
+            "kept_layers": [layer for layer, _, _ in sources if layer not in dict(todo)], "bytes_written": nbytes,
+            "seconds": round(seconds, 3), "mb_per_s": round(nbytes / max(seconds, 1e-9) / 1e6, 1)}
 
 
 def non_expert_names(model, modules) -> list[str]:
@@ -148,7 +163,7 @@ def convert_non_experts(ckpt: SafetensorsCheckpoint, arch, model, modules, out, 
             groups.setdefault(non_expert_file(name), []).append(name)
     writer = StoreWriter(Path(out), identity("non_expert", "bf16", fingerprint))
     if writer.finished:
-        return {"out": str(out), "written": [], "kept": "all (the store was already complete)"}
+        return {"out": str(out), "format": "bf16", "written_files": [], "bytes_written": 0, "seconds": 0.0}
     writer.expect_names(groups)
     written, nbytes, start = [], 0, time.perf_counter()
     for file, names in tqdm(sorted(groups.items()), desc="convert non-experts -> bf16", unit="file",
@@ -159,9 +174,8 @@ def convert_non_experts(ckpt: SafetensorsCheckpoint, arch, model, modules, out, 
         for name in names:
             value = weights.get(name)
             tensors[name] = value.to(torch.bfloat16) if value.is_floating_point() else value
-        writer.write(file, tensors, {"format": "pt"})
+        nbytes += writer.write(file, tensors, {"format": "pt"})
         written.append(file)
-        nbytes += writer.files[file]["size"]
     seconds = time.perf_counter() - start
     writer.finish({"tensors": sum(len(v) for v in groups.values()), "source_fp8": is_fp8(ckpt)})
     return {"out": str(out), "format": "bf16", "written_files": written, "bytes_written": nbytes,
@@ -169,9 +183,9 @@ def convert_non_experts(ckpt: SafetensorsCheckpoint, arch, model, modules, out, 
 
 
 def convert_model(model_dir, out, fmt: str = "bf16", threadpools: int = 1, non_expert: bool = False,
-                  progress: bool = True) -> dict:
-    """``ktcore convert MODEL_DIR``: its routed experts (``fmt``, ``threadpools``) or, with ``non_expert``,
-    every other tensor, into the store ``out``."""
+                  progress: bool = True, workers: int = 0) -> dict:
+    """``ktcore convert MODEL_DIR``: its routed experts (``fmt``, ``threadpools``, ``workers`` layers at a
+    time) or, with ``non_expert``, every other tensor, into the store ``out``."""
     model_dir = Path(model_dir)
     model, arch, fp8_block = _meta_model(model_dir)
     modules = expert_modules(model, arch)
@@ -181,4 +195,4 @@ def convert_model(model_dir, out, fmt: str = "bf16", threadpools: int = 1, non_e
     with SafetensorsCheckpoint(model_dir, fp8_block) as ckpt:
         if non_expert:
             return convert_non_experts(ckpt, arch, model, modules, out, fingerprint, progress)
-        return convert_experts(ckpt, arch, modules, out, fmt, fingerprint, threadpools, progress)
+        return convert_experts(ckpt, arch, modules, out, fmt, fingerprint, threadpools, progress, workers)

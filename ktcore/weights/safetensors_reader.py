@@ -154,9 +154,9 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self._entries[name].file}: tensor {name!r} has shape {list(got)}, the model "
                                   f"needs {list(shape)}; the checkpoint does not match config.json")
 
-    def _read_raw(self, name: str) -> torch.Tensor:
+    def _read_raw(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         entry = self._entries[name]
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        out = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
         nbytes = entry.end - entry.start
         if out.numel() * out.element_size() != nbytes:
             raise CheckpointError(f"{entry.file}: tensor {name!r} holds {nbytes} bytes, its shape needs "
@@ -167,6 +167,16 @@ class SafetensorsCheckpoint:
         if got != nbytes:
             raise CheckpointError(f"{entry.file}: short read of tensor {name!r} ({got} of {nbytes} bytes)")
         return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy the tensor (as ``get`` gives it) into ``out``: read straight into it when it is contiguous and of
+        the stored dtype (no intermediate copy), else through ``get``."""
+        entry = self._entries[name]
+        if out.dtype == entry.dtype and out.is_contiguous() and tuple(out.shape) == entry.shape and \
+                entry.dtype not in FP8_DTYPES:
+            self._read_raw(name, out)
+        else:
+            out.copy_(self.get(name))
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor; FP8 weights with a ``<name>_scale_inv`` block scale come back dequantised (fp32)."""
@@ -233,6 +243,12 @@ class SafetensorsExpertSource:
     def _fused(self, part: str) -> str:
         return self.arch.fused_expert_keys[part].format(layer=self.layer)
 
+    def keys(self) -> list[str]:
+        """The checkpoint tensors ``read`` reads."""
+        if self.layout == "fused":
+            return [self._fused("gate_up"), self._fused("down")]
+        return [self._key(part, expert) for expert in range(self.num_experts) for part in PARTS]
+
     def read(self, dtype) -> ExpertWeights:
         if self.layout == "fused":
             return canonical_weights(self.module, self.ckpt.get(self._fused("gate_up")).to(dtype),
@@ -240,7 +256,7 @@ class SafetensorsExpertSource:
         out = {p: torch.empty((self.num_experts, *self.shapes[p]), dtype=dtype) for p in PARTS}
         for expert in range(self.num_experts):
             for part in PARTS:
-                out[part][expert].copy_(self.ckpt.get(self._key(part, expert)))
+                self.ckpt.read_into(self._key(part, expert), out[part][expert])
         return ExpertWeights(out["gate"], out["up"], out["down"])
 
 

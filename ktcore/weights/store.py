@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -28,14 +29,13 @@ import torch
 
 from .. import __version__
 from ..errors import CheckpointError, KtcoreError
-from ..files import atomic_file, clean_leftovers, fault_point, temp_prefix
+from ..files import atomic_file, clean_leftovers, fault_point
 from .int8 import LAYOUT as INT8_LAYOUT
 from .safetensors_reader import DTYPES, INDEX_NAME, SINGLE_NAME, read_header
 
 MANIFEST_NAME = "kt-weight-manifest.json"
 JOURNAL_NAME = MANIFEST_NAME + ".partial"
 STORE_VERSION = 1
-KINDS = ("experts", "non_expert")
 # format -> (layout name, layout version): what a reader must understand to use the files
 LAYOUTS = {"bf16": ("bf16-dense-v1", 1), "int8": (INT8_LAYOUT, 1)}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -103,6 +103,7 @@ class StoreWriter:
     identity: dict
     files: dict = field(default_factory=dict)  # name -> {"size", "sha256"} of the finished files
     finished: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
         self.root = Path(self.root)
@@ -139,16 +140,20 @@ class StoreWriter:
     def done(self, name: str) -> bool:
         return name in self.files
 
-    def write(self, name: str, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
-        """Write one file, then record it in the journal (a kill between the two rewrites the file next time)."""
+    def write(self, name: str, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> int:
+        """Write one file, then record it in the journal (a kill between the two rewrites the file next time);
+        returns its size. Threads may write different files at once."""
         clean_leftovers(self.root / name)
-        self.files[name] = write_safetensors(self.root / name, tensors, metadata)
-        _write_json(self.root / JOURNAL_NAME, {**self.identity, "files": self.files})
+        entry = write_safetensors(self.root / name, tensors, metadata)
+        with self._lock:
+            self.files[name] = entry
+            _write_json(self.root / JOURNAL_NAME, {**self.identity, "files": dict(sorted(self.files.items()))})
         fault_point(f"store:written:{name}")
+        return entry["size"]
 
     def finish(self, extra: dict) -> dict:
         """Write the manifest (last), then drop the journal; returns the manifest."""
-        manifest = {"kt_weight_store": STORE_VERSION, **self.identity, **extra, "files": self.files,
+        manifest = {"kt_weight_store": STORE_VERSION, **self.identity, **extra, "files": dict(sorted(self.files.items())),
                     "written_by": f"ktcore {__version__}"}
         _write_json(self.root / MANIFEST_NAME, manifest)
         (self.root / JOURNAL_NAME).unlink(missing_ok=True)
@@ -273,5 +278,3 @@ def open_store(root, kind: str, fingerprint: str, key: str) -> Store:
     return Store(root, manifest, headers)
 
 
-__all__ = ["JOURNAL_NAME", "KINDS", "LAYOUTS", "MANIFEST_NAME", "Store", "StoreError", "StoreWriter", "identity",
-           "model_fingerprint", "open_store", "temp_prefix", "write_safetensors"]
