@@ -95,7 +95,8 @@ def test_int8_store_is_the_dequantised_codes(tmp_path, threadpools):
 
     arch = find_arch(plain.config)
     with SafetensorsCheckpoint(tmp_path / "model") as ckpt:
-        for (layer, name, module), (_, _, truth_module) in zip(expert_modules(plain, arch), expert_modules(truth, arch)):
+        for (layer, name, module), (_, _, truth_module) in zip(expert_modules(plain, arch),
+                                                               expert_modules(truth, arch)):
             want = Int8Experts.quantize(SafetensorsExpertSource(ckpt, arch, layer, module).read(torch.float32))
             from ktcore.weights.store_sources import Int8StoreExpertSource
 
@@ -196,7 +197,8 @@ def test_a_store_of_another_model_is_refused(bf16_model, stores, tmp_path):
         load(bf16_model, torch.bfloat16, kt_weight_path=str(stores / "non_expert"))
 
 
-@pytest.mark.parametrize("intruder", ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.up_proj.weight_scale_inv"])
+@pytest.mark.parametrize("intruder", ["model.layers.0.mlp.experts.gate_up_proj",
+                                      "model.layers.1.mlp.up_proj.weight_scale_inv"])
 def test_a_non_expert_store_holding_experts_or_fp8_scales_is_refused(bf16_model, stores, tmp_path, intruder):
     """A store with one more tensor (an expert or a scale), manifest rewritten to match: refused by name."""
     from ktcore.weights.store import write_safetensors

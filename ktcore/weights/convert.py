@@ -33,7 +33,8 @@ from ..errors import CheckpointError
 from ..model.wrap import expert_modules, find_arch
 from ..specs import import_object
 from .int8 import Int8Experts
-from .safetensors_reader import SafetensorsCheckpoint, SafetensorsExpertSource, SafetensorsWeights, FP8_DTYPES
+from .safetensors_reader import (FP8_DTYPES, SafetensorsCheckpoint, SafetensorsExpertSource, SafetensorsWeights,
+                                 take_fp8_block)
 from .store import LAYOUTS, StoreWriter, identity, model_fingerprint
 
 FORMATS = tuple(LAYOUTS)
@@ -65,18 +66,14 @@ def pool_tensors(weights, fmt: str, start: int, end: int) -> dict[str, torch.Ten
 
 
 def _meta_model(model_dir: Path):
+    """(the model on the meta device, its ArchSpec, its FP8 block size) of a model directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not (model_dir / "config.json").is_file():
         raise CheckpointError(f"{model_dir}: no config.json; `ktcore convert` takes a safetensors model directory "
                               "(or a .gguf file)")
     hf_config = AutoConfig.from_pretrained(model_dir)
-    fp8_block = (128, 128)
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:  # FP8 block-scaled (DeepSeek-V3): dequantised while reading
-        quant = quant if isinstance(quant, dict) else quant.to_dict()
-        fp8_block = tuple(quant.get("weight_block_size") or fp8_block)
-        del hf_config.quantization_config
+    fp8_block = take_fp8_block(hf_config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     arch = find_arch(model.config)
@@ -135,7 +132,7 @@ def convert_experts(ckpt: SafetensorsCheckpoint, arch, modules, out, fmt: str, f
     writer.finish({"layers": {name: {"layer": layer, "files": files[layer]} for layer, name, _ in sources},
                    "shapes": {"num_experts": e, "intermediate_size": inter, "hidden_size": hidden},
                    "pool_ranges": ranges, "source_fp8": is_fp8(ckpt)})
-    return {"out": str(out), "format": fmt, "threadpools": threadpools, "written_layers": sorted(l for l, _ in todo),
+    return {"out": str(out), "format": fmt, "threadpools": threadpools, "written_layers": [layer for layer, _ in todo],
             "kept_layers": [layer for layer, _, _ in sources if layer not in dict(todo)], "bytes_written": nbytes,
             "seconds": round(seconds, 3), "mb_per_s": round(nbytes / max(seconds, 1e-9) / 1e6, 1)}
 

@@ -28,7 +28,7 @@ from ..experts import ExpertLayer
 from ..model.wrap import activation_name, finish, install_layer, install_resident, plan_placement, prepare
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 from .model_path import record_base
-from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights
+from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights, take_fp8_block
 from .store_sources import open_weights as open_store_weights, uses_store
 
 if TYPE_CHECKING:  # parsed at the edge (ktcore.load_model) and handed down
@@ -136,12 +136,7 @@ def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bo
     # a caller's config is copied, as from_pretrained copies it: loading sets its experts implementation and may
     # drop its quantization_config, and the caller may build another model from the same object
     hf_config = AutoConfig.from_pretrained(path) if hf_config is None else copy.deepcopy(hf_config)
-    fp8_block = (128, 128)
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:  # FP8 block-scaled checkpoints (DeepSeek-V3) are dequantised while streaming
-        quant = quant if isinstance(quant, dict) else quant.to_dict()
-        fp8_block = tuple(quant.get("weight_block_size") or fp8_block)
-        del hf_config.quantization_config
+    fp8_block = take_fp8_block(hf_config)  # FP8 (DeepSeek-V3) is dequantised while streaming
     dtype = _resolve_dtype(hf_config, dtype)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with ExitStack() as stack:

@@ -283,6 +283,17 @@ class SafetensorsWeights:
         return SafetensorsExpertSource(self.ckpt, self.arch, layer, module)
 
 
+def take_fp8_block(hf_config) -> tuple[int, int]:
+    """The FP8 block size a checkpoint's ``quantization_config`` names (DeepSeek-V3: 128 x 128), removed from the
+    transformers config: ktcore dequantises FP8 weights while reading, so the model is built unquantised."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return (128, 128)
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    del hf_config.quantization_config
+    return tuple(quant.get("weight_block_size") or (128, 128))
+
+
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
     """DeepSeek-V3's FP8 layout: ``w = fp8 * scale_inv[i // rows, j // cols]`` over ``rows x cols`` blocks."""
     out_dim, in_dim = weight.shape

@@ -75,7 +75,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Op
     for name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -153,7 +154,8 @@ class StoreWriter:
 
     def finish(self, extra: dict) -> dict:
         """Write the manifest (last), then drop the journal; returns the manifest."""
-        manifest = {"kt_weight_store": STORE_VERSION, **self.identity, **extra, "files": dict(sorted(self.files.items())),
+        manifest = {"kt_weight_store": STORE_VERSION, **self.identity, **extra,
+                    "files": dict(sorted(self.files.items())),
                     "written_by": f"ktcore {__version__}"}
         _write_json(self.root / MANIFEST_NAME, manifest)
         (self.root / JOURNAL_NAME).unlink(missing_ok=True)
@@ -233,7 +235,8 @@ def open_store(root, kind: str, fingerprint: str, key: str) -> Store:
     manifest_path = root / MANIFEST_NAME
     other = "--non-expert --out" if kind == "non_expert" else "--format int8 --out"
     if not root.is_dir():
-        raise StoreError(f"{key}: {root} is not a directory; write the store with `ktcore convert MODEL {other} {root}`")
+        raise StoreError(f"{key}: {root} is not a directory; write the store with "
+                         f"`ktcore convert MODEL {other} {root}`")
     if not manifest_path.is_file() or manifest_path.is_symlink():
         why = ("an unfinished conversion; run the same `ktcore convert` again to finish it"
                if (root / JOURNAL_NAME).is_file() else f"not a weight store; write it with `ktcore convert MODEL "

@@ -175,7 +175,10 @@ def open_weights(path: Path, kt, model, arch, fp8_block, stack: ExitStack, progr
             checkpoint.append(stack.enter_context(SafetensorsCheckpoint(path, fp8_block)))
         return checkpoint[0]
 
-    experts = non_experts = None
+    non_experts = experts = None
+    if kt.kt_non_expert_weight_path:  # checked first: an ephemeral conversion is not wasted on a broken store
+        non_experts = NonExpertStoreWeights(open_store(kt.kt_non_expert_weight_path, "non_expert", fingerprint,
+                                                       "kt_non_expert_weight_path"), model, modules)
     mapped, delete = True, False
     if kt.kt_weight_lifecycle == "ephemeral":
         scratch = stack.enter_context(scratch_dir())
@@ -186,15 +189,14 @@ def open_weights(path: Path, kt, model, arch, fp8_block, stack: ExitStack, progr
         mapped, delete = False, True  # read into memory, so deleting a loaded layer frees its disk
     elif kt.kt_weight_path:
         experts = open_store(kt.kt_weight_path, "experts", fingerprint, "kt_weight_path")
-    if kt.kt_non_expert_weight_path:
-        non_experts = NonExpertStoreWeights(open_store(kt.kt_non_expert_weight_path, "non_expert", fingerprint,
-                                                       "kt_non_expert_weight_path"), model, modules)
-    elif experts is not None and experts.format == "int8" and experts.manifest.get("source_fp8"):
-        raise StoreError(f"kt_weight_path: {experts.root} holds int8 experts of an FP8 checkpoint; set "
-                         "kt_non_expert_weight_path too (write it with `ktcore convert MODEL --non-expert --out DIR`)")
+        if experts.format == "int8" and experts.manifest.get("source_fp8") and non_experts is None:
+            raise StoreError(f"kt_weight_path: {experts.root} holds int8 experts of an FP8 checkpoint; set "
+                             "kt_non_expert_weight_path too (write it with `ktcore convert MODEL --non-expert "
+                             "--out DIR`)")
     tensors = non_experts if non_experts is not None else SafetensorsWeights(ckpt(), arch)
     if experts is None:
-        return StoreWeights(tensors, lambda layer, module: SafetensorsWeights(ckpt(), arch).experts(layer, module))
+        in_checkpoint = tensors if isinstance(tensors, SafetensorsWeights) else SafetensorsWeights(ckpt(), arch)
+        return StoreWeights(tensors, in_checkpoint.experts)
     source = Int8StoreExpertSource if experts.format == "int8" else StoreExpertSource
     return StoreWeights(tensors, lambda layer, module: source(experts, names[id(module)], arch, module,
                                                               mapped=mapped, delete_when_done=delete))
