@@ -396,3 +396,15 @@ def test_seed_int8_yaml_trains_through_trl_as_the_dequantised_checkpoint(tmp_pat
         runs[label] = json.JSONDecoder().raw_decode(result.stdout[start:].lstrip())[0]
     assert runs["stores"]["steps"] == 3 and (tmp_path / "out-stores" / "adapter_model.safetensors").is_file()
     assert runs["stores"]["losses"] == pytest.approx(runs["truth"]["losses"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--format", "q4_k"], "a model directory converts to one of bf16, int8"),
+    (["--non-expert", "--format", "int8"], "--non-expert writes bf16"),
+    (["--threadpools", "21"], "must be between 1 and the experts' intermediate size 20"),
+])
+def test_convert_arguments_are_one_line_errors(bf16_model, tmp_path, args, fragment):
+    result = CliRunner().invoke(main, ["convert", str(bf16_model), *args, "--out", str(tmp_path / "out"), "--quiet"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and fragment in lines[0], result.stderr
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
