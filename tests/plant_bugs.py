@@ -43,6 +43,12 @@ PLANTS = [
             "a, b = _native(a.detach()).bfloat16(), _native(b.detach()).bfloat16()"),),
           ("tests/test_expert_lora.py", "backends/llamafile/tests/test_contract.py", "-k",
            "lora or Q8_0 or Q4_K")),
+    Plant("a weight-store file used without checking its SHA-256",
+          (('if hashlib.sha256(buf.numpy()).hexdigest() != self.manifest["files"][name]["sha256"]:', "if False:"),),
+          ("tests/test_weight_store.py", "-k", "broken_expert_store")),
+    Plant("a layer's thread-pool files joined in reverse order",
+          (("torch.cat([p[key] for p in pools], dim)", "torch.cat([p[key] for p in reversed(pools)], dim)"),),
+          ("tests/test_weight_store.py", "-k", "bit_exact")),
 ]
 
 
