@@ -46,9 +46,9 @@ PLANTS = [
     Plant("a weight-store file used without checking its SHA-256",
           (('if hashlib.sha256(buf.numpy()).hexdigest() != self.manifest["files"][name]["sha256"]:', "if False:"),),
           ("tests/test_weight_store.py", "-k", "broken_expert_store")),
-    Plant("a layer's thread-pool files joined in reverse order",
-          (("torch.cat([p[key] for p in pools], dim)", "torch.cat([p[key] for p in reversed(pools)], dim)"),),
-          ("tests/test_weight_store.py", "-k", "bit_exact")),
+    Plant("an int8 store written with gate's scales for up",
+          (('"up.scales": us[:, start:end]', '"up.scales": gs[:, start:end]'),),
+          ("tests/test_weight_store.py", "-k", "int8_store")),
 ]
 
 
