@@ -369,7 +369,7 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
       lora::Scratch& ls = sched_.lora_scratch(pool, tid);  // of I, dB on this units' share of H
       for (int64_t j = 0; j < n; ++j) {
         const int64_t p = t.unit + j, ncol = std::min<int64_t>(32, I - p * 32);
-        const int64_t c0 = H * p / units, c1 = H * (p + 1) / units;
+        const int64_t c0 = lora::share_begin(H, p, units), c1 = lora::share_begin(H, p + 1, units);
         lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, p * 32, ncol, qd, w_row,
                            P<const uint16_t>(h_) + p * 32, true, ldh, nullptr, off[t.e], off[t.e + 1], ls);
         lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ah, w_row,
@@ -468,7 +468,7 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
       for (int64_t j = 0; j < n; ++j) {
         const int64_t np = t.unit + j, nc = std::min<int64_t>(32, H - np * 32);
         if (lora_pool(np) != pool) continue;
-        const int64_t c0 = 2 * I * np / units, c1 = 2 * I * (np + 1) / units;
+        const int64_t c0 = lora::share_begin(2 * I, np, units), c1 = lora::share_begin(2 * I, np + 1, units);
         lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, np * 32, nc, qg, nullptr,
                            P<const char>(x) + np * 32 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
                            off[t.e + 1], ls);
