@@ -66,10 +66,11 @@ int main(int argc, char** argv) {
     for (auto& x : v) x = to_bf16(nd(rng) * s);
     return v;
   };
-  // activations as the engine holds them: x, gy [T, H] bf16 token rows; h [R, ldh] bf16; ggu32 [R, 2I] fp32
+  // activations as the engine holds them: x, gy [T, H] bf16 token rows; h [R, ldh] bf16; ggu_rows [R, 2I] bf16
   const int64_t ldh = I % 1024 == 0 ? I + 32 : I;
   std::vector<uint16_t> x = bf16(T * H, 1.f), gy = bf16(T * H, 1.f), h = bf16(R * ldh, 1.f);
-  std::vector<float> ggu32 = fp32(R * 2 * I, 1.f), w_row = fp32(R, 0.3f);
+  std::vector<uint16_t> ggu_rows = bf16(R * 2 * I, 1.f);
+  std::vector<float> w_row = fp32(R, 0.3f);
   // PEFT's layout, fp32: A [E, r, in], B [E, out, r]; gradients alike
   std::vector<float> a_gu = fp32(E * rank * H, 0.02f), b_gu = fp32(E * 2 * I * rank, 0.01f);
   std::vector<float> a_dn = fp32(E * rank * I, 0.03f), b_dn = fp32(E * H * rank, 0.01f);
@@ -137,7 +138,7 @@ int main(int argc, char** argv) {
            }
        }},
       {"bwd gate_up: p = B^T g (prologue)",
-       [&] { prologue(gu.b, 2 * I, ggu32.data(), false, 2 * I, nullptr, qg.data()); }},
+       [&] { prologue(gu.b, 2 * I, ggu_rows.data(), true, 2 * I, nullptr, qg.data()); }},
       {"bwd gate_up: + s A^T p (epilogue)", [&] { epilogue(gu, gu.a, 0, H, 32, qg.data()); }},
       {"bwd gate_up: dA, dB", [&] {
          for (int64_t e = 0; e < E; ++e)
@@ -147,7 +148,7 @@ int main(int argc, char** argv) {
              lora::grad_columns(L, gu.grad_a, rank, gu.scale, e, np * 32, nc, qg.data(), nullptr,
                                 x.data() + np * 32, true, H, tok.data(), off[e], off[e + 1], s);
              lora::grad_columns(L, gu.grad_b, rank, gu.scale, e, c0, c1 - c0, ax.data(), nullptr,
-                                ggu32.data() + c0, false, 2 * I, nullptr, off[e], off[e + 1], s);
+                                ggu_rows.data() + c0, true, 2 * I, nullptr, off[e], off[e + 1], s);
            }
        }},
   };

@@ -382,7 +382,7 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
 }
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, uintptr_t off_,
-                     uintptr_t poff_, int64_t E, int64_t I, uintptr_t ggu_, uintptr_t ggu32_, uintptr_t gradw_,
+                     uintptr_t poff_, int64_t E, int64_t I, uintptr_t ggu_, uintptr_t ggu_rows_, uintptr_t gradw_,
                      int64_t ldh, uintptr_t order_) {
   const int64_t* order = P<const int64_t>(order_);
   const int64_t Ip = rup(I, 32);
@@ -390,18 +390,21 @@ void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, ui
   const float* wrow = P<const float>(wrow_);
   const uint16_t* h = P<const uint16_t>(h_);
   uint16_t* ggu = P<uint16_t>(ggu_);
-  float* ggu32 = P<float>(ggu32_);
+  uint16_t* ggu_rows = P<uint16_t>(ggu_rows_);
   float* gradw = P<float>(gradw_);
   fill_tiled(P<const int64_t>(off_), P<const int64_t>(poff_), E, 2 * Ip, ggu, [&](int64_t r, uint16_t* o) {
     std::fill(o, o + 2 * Ip, 0);
-    gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o, o + Ip,
-                                       ggu32 ? ggu32 + r * 2 * I : nullptr, ggu32 ? ggu32 + r * 2 * I + I : nullptr);
+    gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o, o + Ip);
+    if (ggu_rows) {  // gate's I columns then up's, without the padding between them
+      std::memcpy(ggu_rows + r * 2 * I, o, I * 2);
+      std::memcpy(ggu_rows + r * 2 * I + I, o + Ip, I * 2);
+    }
   });
 }
 
 // Task: units = 32 output columns of H = forward k-blocks of gate/up (a group: contiguous in every stream).
 void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_, uintptr_t up_, int64_t E,
-                         int64_t H, int64_t I, uintptr_t parts_, const lora::Projection* lora, uintptr_t ggu32_,
+                         int64_t H, int64_t I, uintptr_t parts_, const lora::Projection* lora, uintptr_t ggu_rows_,
                          uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok_, uintptr_t ax_, uintptr_t qg_) {
   Dims d(E, H, I);
   const uint16_t* ggu = P<const uint16_t>(ggu_);
@@ -409,11 +412,12 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
   const ktamx::ALayout la = ktamx::ALayout::tiles(2 * d.Ip);
   const uint16_t *gate = P<const uint16_t>(gate_), *up = P<const uint16_t>(up_);
   float* parts = P<float>(parts_);
-  const float *ggu32 = P<const float>(ggu32_), *ax = P<const float>(ax_);
+  const uint16_t* ggu_rows = P<const uint16_t>(ggu_rows_);
+  const float* ax = P<const float>(ax_);
   float* qg = P<float>(qg_);
   const int32_t* tok = P<const int32_t>(tok_);
   const int64_t R = off[E], units = d.Hp / 32;
-  if (lora) lora_rank(off, E, lora->b, lora->rank, 2 * I, ggu32_, false, 2 * I, nullptr, qg);
+  if (lora) lora_rank(off, E, lora->b, lora->rank, 2 * I, ggu_rows_, true, 2 * I, nullptr, qg);
   auto task = [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
     const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
     float* out = parts + static_cast<int64_t>(pool) * R * H;
@@ -473,7 +477,7 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
                            P<const char>(x) + np * 32 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
                            off[t.e + 1], ls);
         lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ax, nullptr,
-                           ggu32 + c0, false, 2 * I, nullptr, off[t.e], off[t.e + 1], ls);
+                           ggu_rows + c0, true, 2 * I, nullptr, off[t.e], off[t.e + 1], ls);
       }
     }
   };
