@@ -94,6 +94,7 @@ int main(int argc, char** argv) {
   lora::Scratch s;
   const auto tasks = lora::rank_tasks(off.data(), E);
   const int64_t units_i = (I + 31) / 32, units_h = (H + 31) / 32;
+  const int64_t kGroup = 4;  // units per backward task (the engine's kBwdGroup), whose gradients are one call
 
   auto prologue = [&](const lora::Factor& f, int64_t n, const void* src, bool src_bf16, int64_t lds,
                       const int32_t* rows, float* q) {
@@ -128,10 +129,10 @@ int main(int argc, char** argv) {
       {"bwd down: + s A^T p (epilogue)", [&] { epilogue(dn, dn.a, 0, I, 32, qd.data()); }},
       {"bwd down: dA, dB", [&] {
          for (int64_t e = 0; e < E; ++e)
-           for (int64_t p = 0; p < units_i; ++p) {
-             const int64_t ncol = std::min<int64_t>(32, I - p * 32), c0 = lora::share_begin(H, p, units_i),
-                           c1 = lora::share_begin(H, p + 1, units_i);
-             lora::grad_columns(L, dn.grad_a, rank, dn.scale, e, p * 32, ncol, qd.data(), w_row.data(),
+           for (int64_t p = 0; p < units_i; p += kGroup) {
+             const int64_t p1 = std::min(units_i, p + kGroup), a1 = std::min(I, p1 * 32);
+             const int64_t c0 = lora::share_begin(H, p, units_i), c1 = lora::share_begin(H, p1, units_i);
+             lora::grad_columns(L, dn.grad_a, rank, dn.scale, e, p * 32, a1 - p * 32, qd.data(), w_row.data(),
                                 h.data() + p * 32, true, ldh, nullptr, off[e], off[e + 1], s);
              lora::grad_columns(L, dn.grad_b, rank, dn.scale, e, c0, c1 - c0, ah.data(), w_row.data(),
                                 gy.data() + c0, true, H, tok.data(), off[e], off[e + 1], s);
@@ -142,10 +143,10 @@ int main(int argc, char** argv) {
       {"bwd gate_up: + s A^T p (epilogue)", [&] { epilogue(gu, gu.a, 0, H, 32, qg.data()); }},
       {"bwd gate_up: dA, dB", [&] {
          for (int64_t e = 0; e < E; ++e)
-           for (int64_t np = 0; np < units_h; ++np) {
-             const int64_t nc = std::min<int64_t>(32, H - np * 32), c0 = lora::share_begin(2 * I, np, units_h),
-                           c1 = lora::share_begin(2 * I, np + 1, units_h);
-             lora::grad_columns(L, gu.grad_a, rank, gu.scale, e, np * 32, nc, qg.data(), nullptr,
+           for (int64_t np = 0; np < units_h; np += kGroup) {
+             const int64_t np1 = std::min(units_h, np + kGroup), a1 = std::min(H, np1 * 32);
+             const int64_t c0 = lora::share_begin(2 * I, np, units_h), c1 = lora::share_begin(2 * I, np1, units_h);
+             lora::grad_columns(L, gu.grad_a, rank, gu.scale, e, np * 32, a1 - np * 32, qg.data(), nullptr,
                                 x.data() + np * 32, true, H, tok.data(), off[e], off[e + 1], s);
              lora::grad_columns(L, gu.grad_b, rank, gu.scale, e, c0, c1 - c0, ax.data(), nullptr,
                                 ggu_rows.data() + c0, true, 2 * I, nullptr, off[e], off[e + 1], s);

@@ -365,17 +365,16 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
           std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + j * kCBlock + r * 32, ncol * 4);
       }
     }
-    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on these columns
-      lora::Scratch& ls = sched_.lora_scratch(pool, tid);  // of I, dB on this units' share of H
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = t.unit + j, ncol = std::min<int64_t>(32, I - p * 32);
-        const int64_t c0 = lora::share_begin(H, p, units), c1 = lora::share_begin(H, p + 1, units);
-        lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, p * 32, ncol, qd, w_row,
-                           P<const uint16_t>(h_) + p * 32, true, ldh, nullptr, off[t.e], off[t.e + 1], ls);
-        lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ah, w_row,
-                           P<const char>(gy) + c0 * lora::elem_bytes(gy_bf16), gy_bf16, gy_stride, tok, off[t.e],
-                           off[t.e + 1], ls);
-      }
+    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on its units'
+      // columns of I, dB on their share of H, each in one call (fewer, longer passes over the rows)
+      lora::Scratch& ls = sched_.lora_scratch(pool, tid);
+      const int64_t a0 = t.unit * 32, a1 = std::min(I, (t.unit + n) * 32);
+      const int64_t c0 = lora::share_begin(H, t.unit, units), c1 = lora::share_begin(H, t.unit + n, units);
+      lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, a0, a1 - a0, qd, w_row,
+                         P<const uint16_t>(h_) + a0, true, ldh, nullptr, off[t.e], off[t.e + 1], ls);
+      lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ah, w_row,
+                         P<const char>(gy) + c0 * lora::elem_bytes(gy_bf16), gy_bf16, gy_stride, tok, off[t.e],
+                         off[t.e + 1], ls);
     }
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/true, task, 1, 0, kBwdTaskRows, kBwdGroup);
@@ -467,17 +466,25 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
           std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + j * kCBlock + r * 32, nc * 4);
       }
     }
-    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on these columns
-      lora::Scratch& ls = sched_.lora_scratch(pool, tid);  // of H, dB on this units' share of 2I
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t np = t.unit + j, nc = std::min<int64_t>(32, H - np * 32);
-        if (lora_pool(np) != pool) continue;
-        const int64_t c0 = lora::share_begin(2 * I, np, units), c1 = lora::share_begin(2 * I, np + 1, units);
-        lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, np * 32, nc, qg, nullptr,
-                           P<const char>(x) + np * 32 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
+    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on the columns of
+      // H of its units that this pool owns, dB on their share of 2I, a run of adjacent units in one call
+      lora::Scratch& ls = sched_.lora_scratch(pool, tid);
+      for (int64_t j = 0; j < n;) {
+        if (lora_pool(t.unit + j) != pool) {
+          ++j;
+          continue;
+        }
+        int64_t j1 = j + 1;  // the run of adjacent units this pool owns (all of them where there is one pool)
+        while (j1 < n && lora_pool(t.unit + j1) == pool) ++j1;
+        const int64_t a0 = (t.unit + j) * 32, a1 = std::min(H, (t.unit + j1) * 32);
+        const int64_t c0 = lora::share_begin(2 * I, t.unit + j, units);
+        const int64_t c1 = lora::share_begin(2 * I, t.unit + j1, units);
+        lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, a0, a1 - a0, qg, nullptr,
+                           P<const char>(x) + a0 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
                            off[t.e + 1], ls);
         lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ax, nullptr,
                            ggu_rows + c0, true, 2 * I, nullptr, off[t.e], off[t.e + 1], ls);
+        j = j1;
       }
     }
   };

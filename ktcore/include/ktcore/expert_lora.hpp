@@ -108,15 +108,13 @@ inline void expand_rows(const Leaves& L, const Factor& f, int rank, float scale,
 inline void grad_columns(const Leaves& L, const Factor& grad, int rank, float scale, int64_t e, int64_t c0,
                          int64_t nc, const float* u, const float* wt, const void* v, bool v_bf16, int64_t ldv,
                          const int32_t* rows, int64_t r0, int64_t r1, Scratch& s) {
-  float* acc = s.block(rank * kCols);
+  if (nc <= 0) return;
+  float* acc = s.block(rank * nc);
+  std::fill(acc, acc + rank * nc, 0.f);
   const char* v0 = static_cast<const char*>(v) + (rows ? 0 : r0 * ldv) * elem_bytes(v_bf16);
-  for (int64_t j0 = 0; j0 < nc; j0 += kCols) {
-    const int64_t w = std::min(kCols, nc - j0);
-    std::fill(acc, acc + rank * w, 0.f);
-    L.outer(u + r0 * rank, rank, wt ? wt + r0 : nullptr, rank, v0 + j0 * elem_bytes(v_bf16), v_bf16, ldv,
-            rows ? rows + r0 : nullptr, r1 - r0, w, acc, w);
-    L.store(acc, w, scale, rank, w, grad.at_mut(e, c0 + j0), grad.bf16, grad.s_rank, grad.s_col);
-  }
+  L.outer(u + r0 * rank, rank, wt ? wt + r0 : nullptr, rank, v0, v_bf16, ldv, rows ? rows + r0 : nullptr, r1 - r0,
+          nc, acc, nc);
+  L.store(acc, nc, scale, rank, nc, grad.at_mut(e, c0), grad.bf16, grad.s_rank, grad.s_col);
 }
 
 }  // namespace lora

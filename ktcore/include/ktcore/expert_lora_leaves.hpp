@@ -8,8 +8,8 @@
 namespace ktcore {
 namespace lora {
 
-// Rows of fp32 scratch handed to outer() and expand() hold at most this many columns.
-constexpr int64_t kCols = 64;
+// Rows per pass of outer(): their weighted u is transposed once per pass, onto the stack.
+constexpr int64_t kOuterRows = 64;
 
 struct Leaves {
   // blk[k * ldb + j] = element (k, j) at p + k * s_rank + j * s_col (fp32 or bf16 elements), k < rank, j < nc
