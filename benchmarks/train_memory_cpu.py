@@ -30,6 +30,7 @@ import torch
 import ktcore
 from ktcore.commands.bench_train import SHAPES, lora_config, make_config, train_steps, write_random_model
 from ktcore.model.checkpointing import checkpoint_non_experts
+from ktcore.model.lm_loss import chunk_lm_loss
 
 VARIANTS = ("before", "chunked-loss", "now")
 
@@ -45,11 +46,11 @@ def measure(model_dir: Path, variant: str, tokens: int, rank: int, backend: str)
     from peft import get_peft_model
 
     base = ktcore.load_model(model_dir, {"kt_backend": backend}, device="cpu", dtype=torch.bfloat16, progress=False)
+    if variant != "before":
+        chunk_lm_loss(base)
     checkpoint_non_experts(base)
     if variant != "now":
         attention_only(base)
-    if variant == "before":
-        vars(base).pop("forward")  # transformers' own forward: the loss on the full logits
     torch.manual_seed(0)
     model = get_peft_model(base, lora_config(base, rank))
     model.train()

@@ -11,6 +11,7 @@ import ktcore
 import ktcore.model.lm_loss as lm_loss
 from ktcore.commands.bench_train import SHAPES, lora_config, make_config, memory_of_step, write_random_model
 from ktcore.model.checkpointing import checkpoint_non_experts
+from ktcore.model.lm_loss import chunk_lm_loss
 from ktcore.model.memory import LiveTensors
 
 TOKENS = 96
@@ -65,6 +66,7 @@ def test_chunked_loss_and_checkpointing_give_transformers_loss_and_gradients(mod
     plain = _peft(AutoModelForCausalLM.from_pretrained(models[shape], dtype=torch.float32))
     expected, expected_grads = _step(plain, **kwargs)
     base = ktcore.load_model(models[shape], {"kt_backend": "torch"}, dtype=torch.float32, progress=False)
+    chunk_lm_loss(base)
     checkpoint_non_experts(base)
     model = _peft(base)
     out, grads = _step(model, **kwargs)
@@ -94,6 +96,7 @@ def _phases(model_dir, variant: str, dtype=torch.bfloat16) -> dict:
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:
         base = ktcore.load_model(model_dir, {"kt_backend": "torch"}, dtype=dtype, progress=False)
+        chunk_lm_loss(base)
         for name in checkpoint_non_experts(base):
             if variant == "attention-only" and not name.endswith((".self_attn", ".mlp")):
                 vars(base.get_submodule(name)).pop("forward")

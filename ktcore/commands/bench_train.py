@@ -355,11 +355,13 @@ def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
 
     from .. import load_model
     from ..model.checkpointing import checkpoint_non_experts
+    from ..model.lm_loss import chunk_lm_loss
     from ..experts.timeline import attach
 
     device = settings.device
     kt = {"kt_backend": settings.backend, "kt_num_threads": settings.threads}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
+    chunk_lm_loss(base)  # as ktcore train
     if settings.gradient_checkpointing:
         checkpoint_non_experts(base)
     backends = {layer.backend for layer in base.ktcore.layers.values()}

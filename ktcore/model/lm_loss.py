@@ -10,7 +10,8 @@ so its logits are recomputed in backward instead of kept. The loss is transforme
 logits in the model's dtype, upcast to float32, labels shifted by one, ``-100`` ignored, summed over
 ``num_items_in_batch`` or averaged over the labelled tokens), plus the MoE load-balancing term where the model
 adds one; the logits are not returned then (None). Evaluation, generation and calls without labels run the model's
-forward unchanged. TRL's trainers call their own fused LM head instead, which skips this forward.
+forward unchanged, so do models it was not given to. ``ktcore train`` gives it to a ``use_kt`` model in both
+frontends (TRL's trainers bypass it where TRL has its own fused LM head), and so does ``ktcore bench train``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from ..plugins import UnknownPluginError, get_registry
 from ..plugins.threads import apply_budget
 from ..specs import ArchSpec, import_object
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
-from .lm_loss import chunk_lm_loss
 from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
@@ -217,7 +216,6 @@ def finish(model, kt, arch, backend, layers) -> None:
     pattern = experts_pattern(arch)
     install_overlap(model, arch, layers, lambda name: int(pattern.search(name).group(1)))
     apply_budget([layer.backend for layer in layers.values()], model.device)
-    chunk_lm_loss(model)
     model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
 
 
