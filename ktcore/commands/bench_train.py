@@ -344,6 +344,7 @@ def split_of(step_s: float, spans: dict, device: torch.device) -> dict:
         "expert_lora_s": None,  # step time with expert LoRA minus without (filled in by the run with it)
         "copies_s": spans["gpu_copy_s"] + spans["gpu_lora_copy_s"] + spans["cpu_pin_s"],
         "lora_copies_s": spans["gpu_lora_copy_s"],  # expert-LoRA factors to the host and their gradients back
+        "pin_s": spans["cpu_pin_s"],  # the host copying results into pinned buffers: part of cpu_idle_s
         "cpu_idle_s": step_s - spans["cpu_experts_s"],  # backend idle while the device works
         "gpu_idle_s": waiting,  # device idle while the CPU works
     }
@@ -504,7 +505,7 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
 
 COLUMNS = (("run", "run"), ("tokens", "tokens"), ("tok_s", "tok/s"), ("step_s", "step s"),
            ("gpu_busy_s", "gpu busy"), ("cpu_experts_s", "cpu experts"), ("expert_lora_s", "expert lora"),
-           ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("cpu_idle_s", "cpu idle"),
+           ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"), ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
            ("peak_host_gib", "peak host GiB"), ("resident_gib", "resident GiB"),
