@@ -144,3 +144,45 @@ def test_live_tensors_counts_what_is_alive():
     assert meter.current() == 4096 and meter.peak() == 8192
     del b, view
     assert meter.current() == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)"))])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_checkpointed_shared_experts_keep_the_overlap_and_run_the_cpu_experts_once(family, device):
+    """The shared experts are checkpointed while the routed experts' result is deferred to them (overlap): the
+    step matches the same model without checkpointing and without overlap, one CPU forward per layer."""
+    from archs import tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    from ktcore.model.overlap import set_overlap
+
+    def run(checkpointed: bool):
+        model = ktcore.wrap_model(tiny_model(family), {"kt_backend": "torch", "kt_cpu_activation": "retain"})
+        model.to(device)
+        chunk_lm_loss(model)
+        if checkpointed:
+            wrapped = checkpoint_non_experts(model)
+            assert any(name.endswith(".mlp.shared_experts") for name in wrapped)
+        set_overlap(model, checkpointed)
+        torch.manual_seed(7)
+        peft_model = get_peft_model(model, LoraConfig(
+            r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "q_b_proj", "kv_b_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])).train()
+        backend = model.ktcore.backend
+        calls, forward = [], backend.forward
+        backend.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+        ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3)).to(device)
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.cpu() for n, p in peft_model.named_parameters() if p.requires_grad}
+        return loss.item(), grads, len(calls), len(model.ktcore.layers)
+
+    loss, grads, calls, layers = run(checkpointed=False)
+    k_loss, k_grads, k_calls, _ = run(checkpointed=True)
+    assert calls == k_calls == layers
+    assert k_loss == pytest.approx(loss, rel=1e-6)
+    for name, g in grads.items():  # the CPU: identical bits (measured); CUDA: its kernels may reorder sums
+        assert g.norm() > 0, name
+        torch.testing.assert_close(k_grads[name], g, rtol=0, atol=0 if device == "cpu" else 1e-6 * g.abs().max())
