@@ -1,20 +1,23 @@
-"""Where the checkpointed training step's GPU memory goes, measured without a GPU.
+"""Where the checkpointed training step's GPU memory goes, by phase, before and after issue 19's cuts.
 
 Runs ``ktcore bench train``'s step (``ktcore.commands.bench_train.train_steps``: PEFT LoRA r on the attention
-and dense linears and the routed experts, AdamW, one sequence) on the CPU in bf16 at a model shape's real
-dimensions, with ``--layers N`` of its layers, and counts the step's CPU tensors by phase
-(``ktcore.model.memory.LiveTensors``): on a GPU these are the tensors the allocator holds (the routed experts'
-backend runs on other threads, in host memory there as here). Each variant is one way of running the step:
+and dense linears and the routed experts, AdamW, one sequence) in bf16 at a model shape's real dimensions, with
+``--layers N`` of its layers, on the GPU (the allocator's counters) or, with ``--device cpu`` or without a GPU,
+on the CPU, where the step's CPU tensors are counted (``ktcore.model.memory.LiveTensors``): on a GPU these are
+the tensors the allocator holds (the routed experts' backend runs on other threads, in host memory there as
+here). Each variant is one way of running the step:
 
 - ``before``: attention blocks and dense MLPs checkpointed, transformers' loss on the full logits (the code
   before ktcore.model.lm_loss and the wider ``checkpoint_non_experts``);
 - ``chunked-loss``: the same checkpointing, the loss over chunks of the LM head (``ktcore.model.lm_loss``);
 - ``now``: what ``ktcore train`` and ``ktcore bench train --gradient-checkpointing`` run.
 
-    python benchmarks/train_memory_cpu.py --layers 2,3 --tokens 2048
+    python benchmarks/train_memory.py --layers 6,12 --tokens 2048            # on the GPU
+    python benchmarks/train_memory.py --layers 2,3 --tokens 2048 --device cpu
 
-Two layer counts give what one more MoE layer adds (the slope) and the rest (the intercept). Slow: a step of
-DeepSeek-V2-Lite's LM head at 2,048 tokens is ~2.6 TFLOP on the CPU.
+Two layer counts give what one more MoE layer adds (the slope) and the rest (the intercept). Slow on the CPU: a
+step of DeepSeek-V2-Lite's LM head at 2,048 tokens is ~2.6 TFLOP there, and the attention's scores are
+materialised (CPU transients the GPU's fused attention does not have).
 """
 
 from __future__ import annotations
@@ -42,10 +45,15 @@ def attention_only(base) -> None:
             vars(base.get_submodule(name)).pop("forward")
 
 
-def measure(model_dir: Path, variant: str, tokens: int, rank: int, backend: str) -> dict:
+def measure(model_dir: Path, variant: str, tokens: int, rank: int, backend: str, device: torch.device) -> dict:
+    import gc
+
     from peft import get_peft_model
 
-    base = ktcore.load_model(model_dir, {"kt_backend": backend}, device="cpu", dtype=torch.bfloat16, progress=False)
+    gc.collect()  # the variant before is gone: resident is this one's
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    base = ktcore.load_model(model_dir, {"kt_backend": backend}, device=device, dtype=torch.bfloat16, progress=False)
     if variant != "before":
         chunk_lm_loss(base)
     checkpoint_non_experts(base)
@@ -54,7 +62,8 @@ def measure(model_dir: Path, variant: str, tokens: int, rank: int, backend: str)
     torch.manual_seed(0)
     model = get_peft_model(base, lora_config(base, rank))
     model.train()
-    return train_steps(model, tokens, warmup=0, steps=1, device=torch.device("cpu"), memory=True)["memory"]
+    timed = train_steps(model, tokens, warmup=0, steps=1, device=device, memory=True)
+    return {"step_s": timed["step_s"], **timed["memory"]}
 
 
 def main() -> None:
@@ -65,14 +74,17 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    device = torch.device(args.device)
     for layers in (int(n) for n in args.layers.split(",")):
         scratch = Path(tempfile.mkdtemp(prefix="ktcore-memory-"))
         try:
             model_dir = write_random_model(make_config(SHAPES[args.shape], layers), scratch / "model")
             for variant in args.variants.split(","):
-                row = measure(model_dir, variant, args.tokens, args.rank, args.backend)
+                row = measure(model_dir, variant, args.tokens, args.rank, args.backend, device)
                 print(json.dumps({"shape": args.shape, "layers": layers, "tokens": args.tokens, "variant": variant,
+                                  "device": device.type,
                                   **{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}}),
                       flush=True)
         finally:
