@@ -66,7 +66,7 @@ def chunk_lm_loss(model) -> None:
         captured = []
         hook = self.get_decoder().register_forward_hook(lambda module, inputs, out: captured.append(out[0]))
         try:
-            out = original(*args, logits_to_keep=torch.empty(0, dtype=torch.long), **kwargs)
+            out = original(*args, logits_to_keep=torch.empty(0, dtype=torch.long, device=self.device), **kwargs)
         finally:
             hook.remove()
         loss = chunked_lm_loss(captured[-1], self.get_output_embeddings(), labels,
