@@ -203,9 +203,10 @@ def lora_config(model, rank: int, experts: bool = True):
     return lora_config_for(model, arch, TrainConfig(lora_rank=rank, lora_target=target))
 
 
-def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None) -> dict:
+def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None,
+                memory: bool = False) -> dict:
     """Time ``steps`` SFT steps of one ``tokens``-long sequence (after ``warmup``): mean step seconds and, with a
-    timeline, its mean spans per step."""
+    timeline, its mean spans per step; with ``memory``, one more step measured by phase (``memory_of_step``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator().manual_seed(tokens)
@@ -225,11 +226,44 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
             times.append(time.perf_counter() - start)
             if timeline is not None:
                 spans.append(timeline.resolve())
-    del optimizer
-    out = {"step_s": statistics.mean(times)}
+    out = {"step_s": statistics.mean(times), **_peaks(device)}  # before the memory step resets the GPU's peak
     if spans:
         out["spans"] = {k: statistics.mean(s[k] for s in spans) for k in spans[0]}
+    if memory:
+        out["memory"] = memory_of_step(model, optimizer, torch.randint(0, vocab, (1, tokens), generator=g).to(device))
+    del optimizer
     return out
+
+
+def memory_of_step(model, optimizer, ids: torch.Tensor) -> dict:
+    """One more training step, measured by phase (``ktcore.model.memory``): GiB resident before it (and of
+    that: weights, trainable parameters, optimizer state), the peak through the decoder layers, the activations
+    they saved, and the peaks of the loss, the backward and the optimizer step. Without a GPU the same step's
+    CPU tensors are counted (``LiveTensors``), so the phases read as they would on the GPU."""
+    from ..model.memory import StepMemory, memory_meter, resident_parts
+
+    device = ids.device
+    gc.collect()
+    meter = memory_meter(device)
+    phases = StepMemory(meter)
+    hook = phases.watch(model)
+    try:
+        with meter.tracking():
+            if hasattr(meter, "count"):
+                meter.count([*model.parameters(), *model.buffers(),
+                             *(v for s in optimizer.state.values() for v in s.values())])
+            phases.step_starts()
+            loss = model(input_ids=ids, labels=ids).loss
+            phases.forward_done()
+            loss.backward()
+            del loss
+            phases.backward_done()
+            optimizer.step()
+            phases.optimizer_done()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        hook.remove()
+    return {**resident_parts(model, optimizer, device), **phases.report()}
 
 
 def kernel_time(model, tokens: int, rank: int, seconds: float, dtype=torch.bfloat16) -> dict:
@@ -310,6 +344,7 @@ def split_of(step_s: float, spans: dict, device: torch.device) -> dict:
         "expert_lora_s": None,  # step time with expert LoRA minus without (filled in by the run with it)
         "copies_s": spans["gpu_copy_s"] + spans["gpu_lora_copy_s"] + spans["cpu_pin_s"],
         "lora_copies_s": spans["gpu_lora_copy_s"],  # expert-LoRA factors to the host and their gradients back
+        "pin_s": spans["cpu_pin_s"],  # the host copying results into pinned buffers: part of cpu_idle_s
         "cpu_idle_s": step_s - spans["cpu_experts_s"],  # backend idle while the device works
         "gpu_idle_s": waiting,  # device idle while the CPU works
     }
@@ -321,11 +356,13 @@ def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
 
     from .. import load_model
     from ..model.checkpointing import checkpoint_non_experts
+    from ..model.lm_loss import chunk_lm_loss
     from ..experts.timeline import attach
 
     device = settings.device
     kt = {"kt_backend": settings.backend, "kt_num_threads": settings.threads}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
+    chunk_lm_loss(base)  # as ktcore train
     if settings.gradient_checkpointing:
         checkpoint_non_experts(base)
     backends = {layer.backend for layer in base.ktcore.layers.values()}
@@ -345,7 +382,7 @@ def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
                 model.train()
                 _reset_peaks(device)
                 with attach(base) as timeline:
-                    timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline)
+                    timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True)
                 step_s = timed["step_s"]
                 split = split_of(step_s, timed["spans"], device)
                 if not expert_lora:
@@ -356,7 +393,8 @@ def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, step_s=step_s,
                            tok_s=tokens / step_s, split=split, **kernels,
                            overhead_ratio=step_s / denominator if kernels["kernel_s"] else None,
-                           **_peaks(device), error=None)
+                           peak_gpu_gib=timed["peak_gpu_gib"], peak_host_gib=timed["peak_host_gib"],
+                           memory=timed["memory"], error=None)
             except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others still run
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, error=_error_line(exc))
             finally:
@@ -432,9 +470,10 @@ def run_transformers(settings: Settings, model_dir: Path, offload: bool) -> Iter
             model.train()
             for tokens in settings.tokens:
                 _reset_peaks(device)
-                step_s = train_steps(model, tokens, settings.warmup, settings.steps, device)["step_s"]
+                timed = train_steps(model, tokens, settings.warmup, settings.steps, device)
+                step_s = timed.pop("step_s")
                 yield _row(settings, run, tokens, expert_lora=expert_lora, step_s=step_s, tok_s=tokens / step_s,
-                           **_peaks(device), error=None)
+                           **timed, error=None)
             return
         except Exception as exc:  # noqa: BLE001 - reported as a user trying it would see it; then without
             yield _row(settings, run, settings.tokens[0], expert_lora=expert_lora, error=_error_line(exc))
@@ -466,10 +505,12 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
 
 COLUMNS = (("run", "run"), ("tokens", "tokens"), ("tok_s", "tok/s"), ("step_s", "step s"),
            ("gpu_busy_s", "gpu busy"), ("cpu_experts_s", "cpu experts"), ("expert_lora_s", "expert lora"),
-           ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("cpu_idle_s", "cpu idle"),
+           ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"), ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
-           ("peak_host_gib", "peak host GiB"), ("error", "error"))
+           ("peak_host_gib", "peak host GiB"), ("resident_gib", "resident GiB"),
+           ("activations_gib", "activations GiB"), ("layers_peak_gib", "layers peak"), ("loss_peak_gib", "loss peak"),
+           ("backward_peak_gib", "backward peak"), ("peak_phase", "peak in"), ("error", "error"))
 
 
 def format_header(settings: Settings) -> str:
@@ -481,7 +522,7 @@ def format_header(settings: Settings) -> str:
 
 
 def format_row(row: dict) -> str:
-    values = {**row, **(row.get("split") or {})}
+    values = {**row, **(row.get("split") or {}), **(row.get("memory") or {})}
 
     def cell(key):
         v = values.get(key)
