@@ -1,0 +1,91 @@
+// AMX INT8 kernel table: TDPBSSD tiles for calls with more than kVnniRows rows, the VNNI routine below that (one
+// 16-row tile would be mostly padding). Compiled with AMX and AVX-512 flags; runs only after amx_ready() said yes.
+#include <immintrin.h>
+
+#include "kernels.hpp"
+
+namespace ktint8 {
+namespace amxk {
+
+#include "elementwise.inc"
+#include "ktcore/expert_lora_leaves.inc"
+#include "vnni.inc"
+
+constexpr int64_t kVnniRows = 4;
+
+// The 64-byte LDTILECFG block, palette 1: every tile 16 rows of 64 bytes (A: 16 rows x 64 int8, B: 16 x 16 x 4
+// int8, C: 16 x 16 int32).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Loaded at the start of every call: another library (oneDNN inside torch, say) may have changed or released this
+// thread's tile configuration in between.
+static inline void ensure_tile_config() {
+  static const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+}
+
+// Each 32-row group runs the whole K with its 32 x 32 int32 C block in four tiles (2 A x 2 B tiles per step);
+// the next step's blocks are prefetched while this one multiplies.
+static void gemm_block(const int8_t* A, int64_t lda, int64_t m, const int8_t* B0, const int8_t* B1, int64_t kb,
+                       int32_t* C, int64_t ldc) {
+  if (m <= kVnniRows) return vnni_gemm(A, lda, m, B0, B1, kb, C, ldc);
+  ensure_tile_config();
+  const int64_t sc = ldc * 4;
+  for (int64_t m0 = 0; m0 < m; m0 += 32) {
+    const int8_t* a0 = A + m0 * lda;
+    const int8_t* a1 = a0 + 16 * lda;
+    const bool two = m - m0 > 16;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < kb; ++k) {
+      if (k + 1 < kb)
+        for (int l = 0; l < 1024; l += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(B0 + (k + 1) * kBlockBytes) + l, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(B1 + (k + 1) * kBlockBytes) + l, _MM_HINT_T0);
+        }
+      _tile_loadd(4, a0 + k * kBlockK, lda);
+      _tile_loadd(6, B0 + k * kBlockBytes, 64);
+      _tile_loadd(7, B1 + k * kBlockBytes, 64);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, a1 + k * kBlockK, lda);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
+    }
+    int32_t* c = C + m0 * ldc;
+    _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
+    if (two) { _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc); }
+  }
+}
+
+static const KernelTable table = {"amx", gemm_block, KTINT8_ELEMENTWISE, lora_leaves};
+
+// Tile products only, iters rounds on this thread (doctor's AMX INT8 peak); returns the integer operations done.
+double tile_loop(int64_t iters) {
+  ensure_tile_config();
+  alignas(64) static const int8_t zeros[1024] = {};
+  _tile_loadd(4, zeros, 64); _tile_loadd(5, zeros, 64);
+  _tile_loadd(6, zeros, 64); _tile_loadd(7, zeros, 64);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  alignas(64) int32_t sink[256];
+  _tile_stored(0, sink, 64);
+  return static_cast<double>(iters) * 4.0 * 2.0 * 16 * 16 * 64;
+}
+
+}  // namespace amxk
+
+const KernelTable* amx_kernels() { return &amxk::table; }
+double amx_tile_loop(int64_t iters) { return amxk::tile_loop(iters); }
+
+}  // namespace ktint8
