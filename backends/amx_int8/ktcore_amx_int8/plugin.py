@@ -30,9 +30,9 @@ def ktcore_register_expert_backends():
             name="amx_int8",
             factory="ktcore_amx_int8.backend:AMXInt8Backend",
             required_cpu_features=REQUIRED,
-            # int8 only, and never for `auto`: quantising the experts is the user's choice
-            # (kt_expert_weight_format: int8), not something `kt_backend: auto` does behind their back
+            # chosen by `auto` only for kt_expert_weight_format: int8: quantising is the user's choice
             weight_formats=("int8",),
+            lossy=True,
             supports_backward=True,
             supports_lora=True,
             priority=30,
