@@ -1,6 +1,7 @@
 """A tiny Qwen3-MoE (real transformers model, real PEFT expert LoRA, autograd through the backend) trained a few
 AdamW steps with int8 experts reduces its loss as it does with bf16 experts: the two loss curves stay within 10%
-of each other at every step, and both fall."""
+of each other at every step, and both fall by a fifth. Only the expert LoRA trains, so a wrong gradient from the
+backend shows as a curve that does not fall, or falls differently."""
 
 import copy
 
@@ -31,13 +32,14 @@ def tiny_model(seed=0):
     return model
 
 
-def train(model, steps=8):
+def train(model, steps=12):
+    """Expert LoRA only: every step's progress rests on the gradients the backend computes."""
     torch.manual_seed(7)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=[],
                                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     params = [p for p in model.parameters() if p.requires_grad]
-    assert sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "experts" in n) > 0
-    optimizer = torch.optim.AdamW(params, lr=2e-2)
+    assert all("experts" in n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(params, lr=5e-2)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 96, (4, 24), generator=g)  # one fixed batch: the loss must fall as it is memorised
     losses = []
@@ -59,6 +61,6 @@ def test_int8_experts_train_like_bf16_experts():
     int8_model = ktcore.wrap_model(copy.deepcopy(base), INT8)
     assert next(iter(int8_model.ktcore.layers.values())).backend.name == "amx_int8"
     int8 = train(int8_model)
-    assert bf16[-1] < 0.7 * bf16[0] and int8[-1] < 0.7 * int8[0], (bf16, int8)
+    assert bf16[-1] < 0.8 * bf16[0] and int8[-1] < 0.8 * int8[0], (bf16, int8)
     for step, (a, b) in enumerate(zip(int8, bf16)):
         assert abs(a - b) <= 0.1 * b, (step, int8, bf16)
