@@ -28,33 +28,55 @@ static inline void ensure_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-// Each 32-row group runs the whole K with its 32 x 32 int32 C block in four tiles (2 A x 2 B tiles per step);
-// the next step's blocks are prefetched while this one multiplies.
+// All 16 lines of block k of both weight streams.
+static inline void prefetch_blocks(const int8_t* B0, const int8_t* B1, int64_t k) {
+  const char* p0 = reinterpret_cast<const char*>(B0 + k * kBlockBytes);
+  const char* p1 = reinterpret_cast<const char*>(B1 + k * kBlockBytes);
+  for (int l = 0; l < 1024; l += 64) {
+    _mm_prefetch(p0 + l, _MM_HINT_T0);
+    _mm_prefetch(p1 + l, _MM_HINT_T0);
+  }
+}
+
+// Each 32-row group runs the whole K with its 32 x 32 int32 C block in four tiles (2 A x 2 B tiles per step).
+// Tile registers are not renamed, so each operand tile of step k + 1 is loaded as soon as the last product of step
+// k that reads it has been issued. The first group streams the weights from DRAM: their blocks are prefetched kFar
+// steps ahead; later groups find them in L2.
 static void gemm_block(const int8_t* A, int64_t lda, int64_t m, const int8_t* B0, const int8_t* B1, int64_t kb,
                        int32_t* C, int64_t ldc) {
   if (m <= kVnniRows) return vnni_gemm(A, lda, m, B0, B1, kb, C, ldc);
   ensure_tile_config();
+  constexpr int64_t kFar = 6;
   const int64_t sc = ldc * 4;
   for (int64_t m0 = 0; m0 < m; m0 += 32) {
     const int8_t* a0 = A + m0 * lda;
     const int8_t* a1 = a0 + 16 * lda;
     const bool two = m - m0 > 16;
+    if (m0 == 0)
+      for (int64_t k = 0; k < kFar && k < kb; ++k) prefetch_blocks(B0, B1, k);
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, a0, lda);
+    _tile_loadd(6, B0, 64);
+    _tile_loadd(7, B1, 64);
+    if (two) _tile_loadd(5, a1, lda);
     for (int64_t k = 0; k < kb; ++k) {
-      if (k + 1 < kb)
-        for (int l = 0; l < 1024; l += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(B0 + (k + 1) * kBlockBytes) + l, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(B1 + (k + 1) * kBlockBytes) + l, _MM_HINT_T0);
-        }
-      _tile_loadd(4, a0 + k * kBlockK, lda);
-      _tile_loadd(6, B0 + k * kBlockBytes, 64);
-      _tile_loadd(7, B1 + k * kBlockBytes, 64);
+      const bool more = k + 1 < kb;
+      const int64_t n = k + 1;
+      if (m0 == 0 && k + kFar < kb) prefetch_blocks(B0, B1, k + kFar);
       _tile_dpbssd(0, 4, 6);
       _tile_dpbssd(1, 4, 7);
+      if (more) _tile_loadd(4, a0 + n * kBlockK, lda);
       if (two) {
-        _tile_loadd(5, a1 + k * kBlockK, lda);
         _tile_dpbssd(2, 5, 6);
+        if (more) _tile_loadd(6, B0 + n * kBlockBytes, 64);
         _tile_dpbssd(3, 5, 7);
+        if (more) {
+          _tile_loadd(7, B1 + n * kBlockBytes, 64);
+          _tile_loadd(5, a1 + n * kBlockK, lda);
+        }
+      } else if (more) {
+        _tile_loadd(6, B0 + n * kBlockBytes, 64);
+        _tile_loadd(7, B1 + n * kBlockBytes, 64);
       }
     }
     int32_t* c = C + m0 * ldc;
