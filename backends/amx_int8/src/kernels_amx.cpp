@@ -38,15 +38,20 @@ static inline void prefetch_blocks(const int8_t* B0, const int8_t* B1, int64_t k
   }
 }
 
+// The 16 rows of one A tile (64 bytes each, lda apart).
+static inline void prefetch_rows(const int8_t* a, int64_t lda) {
+  for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(a + r * lda), _MM_HINT_T0);
+}
+
 // Each 32-row group runs the whole K with its 32 x 32 int32 C block in four tiles (2 A x 2 B tiles per step).
 // Tile registers are not renamed, so each operand tile of step k + 1 is loaded as soon as the last product of step
 // k that reads it has been issued. The first group streams the weights from DRAM: their blocks are prefetched kFar
-// steps ahead; later groups find them in L2.
+// steps ahead; later groups find them in L2. The rows' tiles are prefetched kNear steps ahead.
 static void gemm_block(const int8_t* A, int64_t lda, int64_t m, const int8_t* B0, const int8_t* B1, int64_t kb,
                        int32_t* C, int64_t ldc) {
   if (m <= kVnniRows) return vnni_gemm(A, lda, m, B0, B1, kb, C, ldc);
   ensure_tile_config();
-  constexpr int64_t kFar = 6;
+  constexpr int64_t kFar = 6, kNear = 2;
   const int64_t sc = ldc * 4;
   for (int64_t m0 = 0; m0 < m; m0 += 32) {
     const int8_t* a0 = A + m0 * lda;
@@ -63,6 +68,10 @@ static void gemm_block(const int8_t* A, int64_t lda, int64_t m, const int8_t* B0
       const bool more = k + 1 < kb;
       const int64_t n = k + 1;
       if (m0 == 0 && k + kFar < kb) prefetch_blocks(B0, B1, k + kFar);
+      if (k + kNear < kb) {  // the rows' next tiles (16 scattered lines each), from L2
+        prefetch_rows(a0 + (k + kNear) * kBlockK, lda);
+        if (two) prefetch_rows(a1 + (k + kNear) * kBlockK, lda);
+      }
       _tile_dpbssd(0, 4, 6);
       _tile_dpbssd(1, 4, 7);
       if (more) _tile_loadd(4, a0 + n * kBlockK, lda);
