@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <array>
-#include <emmintrin.h>
-
 #include <cstring>
 #include <vector>
 
@@ -41,33 +39,6 @@ constexpr int64_t kBwdTaskRows = 1024;
 // Row n (Kp codes) of a matrix into its stream (the 16 rows of n's block row), block layout.
 void put_row(const int8_t* row, int64_t n, int64_t Kp, int8_t* stream) {
   for (int64_t k = 0; k < Kp; ++k) stream[k / kBlockK * kBlockBytes + block_offset(n, k)] = row[k];
-}
-
-// Block kt of the W^T stream for W's input columns c0..c0+15 (c0 a multiple of 16): its element (n' = c - c0,
-// k' = j) is W[64 kt + j, c]. W: one expert's packed matrix, KB blocks per stream. The transposed product reads the
-// forward's own codes: nothing transposed stays resident, and no second rounding enters the backward.
-// Row q of the output (its inputs k' = 4q..4q+3) interleaves W's rows n = 64 kt + 4q + i, i < 4: of each, the 16
-// codes of columns c0..c0+15 sit in its block as four dwords 64 bytes apart; out[q][4 n' + i] = row_i[n'] is a 4 x 16
-// byte transpose, two rounds of unpacks (SSE2: baseline x86-64).
-void transposed_block(const int8_t* W, int64_t KB, int64_t c0, int64_t kt, int8_t* out) {
-  const int64_t q0 = c0 % kBlockK / 4;
-  for (int q = 0; q < 16; ++q) {
-    __m128i rows[4];
-    for (int i = 0; i < 4; ++i) {
-      const int64_t n = kBlockK * kt + 4 * q + i;
-      const int8_t* at = W + (n / 16 * KB + c0 / kBlockK) * kBlockBytes + q0 * 64 + n % 16 * 4;
-      int32_t d[4];
-      for (int j = 0; j < 4; ++j) std::memcpy(&d[j], at + 64 * j, 4);
-      rows[i] = _mm_set_epi32(d[3], d[2], d[1], d[0]);
-    }
-    const __m128i ab_lo = _mm_unpacklo_epi8(rows[0], rows[1]), ab_hi = _mm_unpackhi_epi8(rows[0], rows[1]);
-    const __m128i cd_lo = _mm_unpacklo_epi8(rows[2], rows[3]), cd_hi = _mm_unpackhi_epi8(rows[2], rows[3]);
-    __m128i* o = reinterpret_cast<__m128i*>(out + q * 64);
-    _mm_storeu_si128(o, _mm_unpacklo_epi16(ab_lo, cd_lo));
-    _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(ab_lo, cd_lo));
-    _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(ab_hi, cd_hi));
-    _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(ab_hi, cd_hi));
-  }
 }
 
 // Expert and row of padded row p (-1: a padding row).
@@ -313,8 +284,8 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
     int8_t* s = sched_.scratch_blocks(pool, tid, 2 * kt_n);
     const int8_t* W = d.dn_expert(dn, t.e);
     for (int64_t kt = 0; kt < kt_n; ++kt) {
-      transposed_block(W, d.dn_kb(), 32 * p, kt, s + kt * kBlockBytes);
-      transposed_block(W, d.dn_kb(), 32 * p + 16, kt, s + (kt_n + kt) * kBlockBytes);
+      K_->transpose_block(W, d.dn_kb(), 32 * p, kt, s + kt * kBlockBytes);
+      K_->transpose_block(W, d.dn_kb(), 32 * p + 16, kt, s + (kt_n + kt) * kBlockBytes);
     }
     int32_t* Ci = sched_.scratch_ci(pool, tid);
     float* C = sched_.scratch_cf(pool, tid);
@@ -387,8 +358,8 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
     int8_t* s = sched_.scratch_blocks(pool, tid, 2 * nk);
     for (int64_t kt = k0; kt < k1; ++kt) {
       const int8_t* W = d.gu_expert(kt < half ? gate : up, t.e);
-      transposed_block(W, d.gu_kb(), 32 * np, kt % half, s + (kt - k0) * kBlockBytes);
-      transposed_block(W, d.gu_kb(), 32 * np + 16, kt % half, s + (nk + kt - k0) * kBlockBytes);
+      K_->transpose_block(W, d.gu_kb(), 32 * np, kt % half, s + (kt - k0) * kBlockBytes);
+      K_->transpose_block(W, d.gu_kb(), 32 * np + 16, kt % half, s + (nk + kt - k0) * kBlockBytes);
     }
     int32_t* Ci = sched_.scratch_ci(pool, tid);
     float* C = sched_.scratch_cf(pool, tid);

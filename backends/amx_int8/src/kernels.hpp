@@ -27,6 +27,11 @@ struct KernelTable {
   // must be readable (tiles load whole 16-row groups); C has ldc int32 per row and roundup(m, 16) rows.
   void (*gemm_block)(const int8_t* A, int64_t lda, int64_t m, const int8_t* B0, const int8_t* B1, int64_t kb,
                      int32_t* C, int64_t ldc);
+  // Block kt of the W^T stream for W's input columns c0..c0+15 (c0 a multiple of 16): its element (n' = c - c0,
+  // k' = j) is W[64 kt + j, c]. W: one expert's packed matrix, KB blocks per stream. The backward multiplies by
+  // these blocks, derived from the forward's own codes per task: nothing transposed stays resident, and no second
+  // rounding of the weights enters.
+  void (*transpose_block)(const int8_t* W, int64_t KB, int64_t c0, int64_t kt, int8_t* out);
   // Dynamic symmetric quantisation of one row: v[i] = src[i] * (mul ? mul[i] : 1) for i < n (src fp32, or bf16 when
   // src_bf16); scale = max|v| / 127; dst[i] = round_half_even(v[i] / scale) (0 where scale is 0), dst[n:npad] = 0.
   // Returns scale.

@@ -21,7 +21,15 @@ static void gemm_block(const int8_t* A, int64_t lda, int64_t m, const int8_t* B0
       }
 }
 
-static const KernelTable table = {"portable", gemm_block, KTINT8_ELEMENTWISE, lora_leaves};
+static void transpose_block(const int8_t* W, int64_t KB, int64_t c0, int64_t kt, int8_t* out) {
+  for (int64_t j = 0; j < kBlockK; ++j) {
+    const int64_t n = kBlockK * kt + j;
+    const int8_t* block = W + (n / 16 * KB + c0 / kBlockK) * kBlockBytes;
+    for (int nn = 0; nn < 16; ++nn) out[block_offset(nn, j)] = block[block_offset(n, c0 + nn)];
+  }
+}
+
+static const KernelTable table = {"portable", gemm_block, transpose_block, KTINT8_ELEMENTWISE, lora_leaves};
 
 }  // namespace portable
 

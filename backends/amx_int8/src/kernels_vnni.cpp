@@ -11,7 +11,7 @@ namespace vnnik {
 #include "ktcore/expert_lora_leaves.inc"
 #include "vnni.inc"
 
-static const KernelTable table = {"vnni", vnni_gemm, KTINT8_ELEMENTWISE, lora_leaves};
+static const KernelTable table = {"vnni", vnni_gemm, avx512_transpose_block, KTINT8_ELEMENTWISE, lora_leaves};
 
 }  // namespace vnnik
 
