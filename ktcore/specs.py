@@ -38,6 +38,9 @@ class ExpertBackendSpec:
     supports_backward: bool = True
     supports_lora: bool = True
     priority: int = 0  # higher wins among usable backends
+    # quantises the experts (amx_int8): `auto` chooses it only where kt_expert_weight_format names one of its
+    # weight_formats, never for format `auto` (a lossy format is the user's choice); naming it in kt_backend does
+    lossy: bool = False
     probe: Optional[Callable[[], Optional[str]]] = None  # cheap check: None if usable, else the reason
     description: str = ""
     # "module:function" (seconds) -> dict of report fields: what this backend measures for `ktcore doctor`

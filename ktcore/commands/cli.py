@@ -58,11 +58,18 @@ def plugins_cmd(show_all, as_json):
 @main.command("list-backends")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--explain", is_flag=True, help="say why each backend is or is not chosen by auto")
-def list_backends(as_json, explain):
+@click.option("--weight-format", default="auto", show_default=True,
+              help="the kt_expert_weight_format to choose for (int8: which backend computes int8 experts)")
+def list_backends(as_json, explain, weight_format):
     """Expert backends; the row `auto` picks on this machine is marked with *."""
+    from ..config import KTConfig
     from ..plugins.select import resolve_backend
 
-    choice = resolve_backend("auto", need_backward=True, need_lora=True)  # what training (wrap_model) picks
+    formats = KTConfig.__dataclass_fields__["kt_expert_weight_format"].metadata.get("choices")
+    if formats and weight_format not in formats:
+        raise click.BadParameter(f"{weight_format!r} is not one of {', '.join(formats)}", param_hint="--weight-format")
+    # what training (wrap_model) picks
+    choice = resolve_backend("auto", weight_format=weight_format, need_backward=True, need_lora=True)
     registry = get_registry()
     rows = []
     for name, spec in sorted(registry.specs("expert_backend").items()):
