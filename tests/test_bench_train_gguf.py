@@ -148,3 +148,7 @@ def test_bad_expert_format_is_one_line_exit_2(tmp_path):
     gguf_file.write_bytes(b"GGUF")
     result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--model", str(gguf_file), "--expert-format", "q8_0"])
     assert result.exit_code == 2 and "timed with the experts it has" in result.output
+    result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--shape", "qwen3-30b-a3b", "--expert-format", "q8_0",
+                                       "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 2 and "writes no GGUF of the qwen3_moe family" in result.output, result.output
+    assert list((tmp_path / "work").iterdir()) == []  # refused before a model was built

@@ -261,8 +261,9 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
 
 
 LOSS_RUN = "loss curve"
-# AdamW: LoRA on a random DeepSeek-V2-Lite-width base (2 layers, 4,096-token vocabulary, 128 tokens a step) got
-# from 8.6 to the task's floor in about 40 steps on the CPU; 3x that was unstable at the tiny shape
+# AdamW. On the CPU, LoRA on a random DeepSeek-V2-Lite-width base (2 layers, 4,096-token vocabulary, 128 tokens a
+# step) took the task without its coin (floor 0) from 8.6 to 0.2-0.3 by step 40-50; 10x this lr was unstable at the
+# tiny shape, 3x still fell
 LOSS_LR = 1e-3
 
 
@@ -397,7 +398,7 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
               "moe_layers": len(base.ktcore.layers), "backend_threads": max((n for n in pools if n), default=None),
               "torch_threads": torch.get_num_threads(),
               # host memory of the packed routed experts (for a GGUF: the file's blocks, mapped)
-              "expert_gib": sum(layer.packed.nbytes for layer in base.ktcore.layers.values()) / GIB}
+              "expert_gib": base.ktcore.packed_bytes / GIB}
     variants = ([False] if settings.expert_lora_off else []) + [True]
     for tokens in settings.tokens:
         kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds, settings.dtype)
@@ -541,9 +542,15 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
     if model_dir is None or quantised:
         scratch = Path(tempfile.mkdtemp(prefix="ktcore-bench-", dir=workdir))
     try:
+        config = make_config(settings.shape, settings.layers, settings.tiny) if model_dir is None else None
+        if quantised:  # refused before anything is built
+            from transformers import AutoConfig
+
+            from ..weights.gguf_writer import writable_arch
+
+            writable_arch(config or AutoConfig.from_pretrained(model_dir), f"--expert-format {','.join(quantised)}")
         if model_dir is None:
-            model_dir = write_random_model(make_config(settings.shape, settings.layers, settings.tiny),
-                                           scratch / "model")
+            model_dir = write_random_model(config, scratch / "model")
         if model_dir.is_file():
             yield from run_ktcore(settings, model_dir, expert_format="gguf file")
             return

@@ -68,22 +68,29 @@ def _qtype(gguf, stored: str, ndim: int):
     return gguf.GGMLQuantizationType[stored], _NUMPY[stored]
 
 
+def writable_arch(config, where):
+    """The architecture plugin of ``config`` if ktcore can write it as GGUF, else one line naming ``where``."""
+    from ..model.wrap import find_arch
+
+    arch = find_arch(config)
+    if not arch.gguf_metadata:
+        raise CheckpointError(f"{where}: ktcore writes no GGUF of the {arch.name} family (its architecture plugin "
+                              "has no gguf_metadata); use a DeepSeek-V2 model (--shape deepseek-v2-lite)")
+    return arch
+
+
 def write_gguf(model_dir, dst) -> Path:
     """``model_dir`` (a save_pretrained directory of a family whose plugin has ``gguf_metadata``) as ``dst``."""
     import gguf
     from transformers import AutoConfig
 
     from ..files import atomic_file
-    from ..model.wrap import find_arch
     from ..specs import import_object
     from .gguf_reader import GGUFNames
 
     model_dir, dst = Path(model_dir), Path(dst)
     config = AutoConfig.from_pretrained(model_dir)
-    arch = find_arch(config)
-    if not arch.gguf_metadata:
-        raise CheckpointError(f"{model_dir}: ktcore writes no GGUF of the {arch.name} family (its architecture "
-                              "plugin has no gguf_metadata)")
+    arch = writable_arch(config, model_dir)
     tensors = _Tensors(_shards(model_dir))
     names = GGUFNames(arch, config.num_hidden_layers, model_dir)
     expert_keys = [re.compile(re.escape(k).replace(r"\{layer\}", r"(\d+)").replace(r"\{expert\}", r"\d+"))

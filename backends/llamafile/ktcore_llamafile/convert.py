@@ -51,8 +51,8 @@ def convert_gguf(src, out_dir, fmt: str = "q4_k", progress=None) -> dict:
                 writer.add_tensor_info(name, blocks, np.dtype(np.uint8), int(np.prod(blocks)),
                                        raw_dtype=gguf.GGMLQuantizationType[use.upper()])
             else:
-                writer.add_tensor_info(name, np.asarray(t.data).shape, np.asarray(t.data).dtype, int(t.n_bytes),
-                                       raw_dtype=t.tensor_type)
+                data = np.asarray(t.data)  # a view of the mapping: nothing is read here
+                writer.add_tensor_info(name, data.shape, data.dtype, int(t.n_bytes), raw_dtype=t.tensor_type)
                 summary["copied"] += 1
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
