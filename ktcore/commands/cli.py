@@ -371,6 +371,12 @@ def bench_convert_cmd(model_dir, synthetic_gb, fmt, threadpools, workdir, worker
                    "the routed experts offloaded to host memory")
 @click.option("--kernel-seconds", default=1.0, show_default=True,
               help="time budget of each kernel-only measurement (0: skip it)")
+@click.option("--expert-format", "expert_formats", default="bf16", show_default=True,
+              help="comma list of bf16, q8_0, q4_k: the same random model with its routed experts in bf16 (on "
+                   "--backend) or as a GGUF of Q8_0 / Q4_K blocks (on llamafile), each timed in turn")
+@click.option("--loss-steps", default=0, show_default=True, type=click.IntRange(min=0),
+              help="also train this many steps on a task whose loss falls, at the first --tokens, per expert format "
+                   "(the last loss and its relative difference to bf16's)")
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True),
               help="time this model (a directory, or a .gguf file whose quantised experts the llamafile backend "
                    "computes with) instead of building one")
@@ -380,18 +386,28 @@ def bench_convert_cmd(model_dir, synthetic_gb, fmt, threadpools, workdir, worker
 @click.option("--cpu", "on_cpu", is_flag=True, help="run on the CPU at the tiny shape even when there is a GPU")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
-                expert_lora_off, baseline, kernel_seconds, model_dir, workdir, keep, on_cpu, as_json):
+                expert_lora_off, baseline, kernel_seconds, expert_formats, loss_steps, model_dir, workdir, keep, on_cpu,
+                as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
 
     import torch
 
-    from .bench_train import SHAPES, Settings, environment, format_header, format_row, run
+    from .bench_train import EXPERT_FORMATS, SHAPES, Settings, environment, format_header, format_row, run
 
+    formats = {f.strip() for f in expert_formats.split(",")}
+    if not formats <= set(EXPERT_FORMATS):
+        raise click.BadParameter(f"{expert_formats!r}: choose from {', '.join(EXPERT_FORMATS)}, e.g. bf16,q8_0,q4_k",
+                                 param_hint="--expert-format")
+    if model_dir and Path(model_dir).is_file() and formats != {"bf16"}:
+        raise click.BadParameter(f"{model_dir}: a .gguf file is timed with the experts it has; drop --expert-format "
+                                 "(it writes GGUF files of a model directory or of the random model)",
+                                 param_hint="--model")
     settings = Settings(SHAPES[shape], layers, (), backend=backend, threads=threads, rank=lora_rank,
                         warmup=warmup, steps=steps, gradient_checkpointing=gradient_checkpointing,
-                        expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds)
+                        expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds,
+                        expert_formats=tuple(f for f in EXPERT_FORMATS if f in formats), loss_steps=loss_steps)
     if on_cpu:
         settings.device = torch.device("cpu")
     default_tokens = "64,256" if settings.tiny else "2048,8192"
