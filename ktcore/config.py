@@ -51,6 +51,12 @@ class KTConfig:
                                     ("persistent", "ephemeral"), default="persistent")
     kt_placement: Optional[list] = _key("per-layer rules [{match: REGEX, device: gpu} or {match: REGEX, "
                                         "backend: NAME}]; the first rule matching an experts module decides")
+    kt_expert_placement: str = _key("where routed experts are computed when no kt_placement rule matches: cpu "
+                                    "(the CPU backend) or gpu_stream (host memory, streamed to the GPU per use); "
+                                    "hybrid and auto are planned (ktcore plan predicts them)",
+                                    ("cpu", "gpu_stream", "hybrid", "auto"), default="cpu")
+    kt_stream_ring: int = _key("gpu_stream: layers of streamed experts kept on the GPU at once (>= the MoE layers: "
+                               "backward streams nothing again)", default=2)
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
     kt_weight_path: Optional[str] = _key("packed routed-expert store written by `ktcore convert`")
@@ -59,7 +65,8 @@ class KTConfig:
 
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
-                   "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement")
+                   "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement",
+                   "kt_expert_placement", "kt_stream_ring")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")
 
 
@@ -127,6 +134,12 @@ class TrainConfig:
     # ktcore
     use_kt: bool = _key("compute routed experts on the CPU backend", default=False)
     kt_config: KTConfig = _key("the kt_config section (see its keys)", default_factory=KTConfig)
+    kt_expert_placement: str = _key("where routed experts are computed when no kt_placement rule matches: cpu "
+                                    "(the CPU backend) or gpu_stream (host memory, streamed to the GPU per use); "
+                                    "hybrid and auto are planned (ktcore plan predicts them)",
+                                    ("cpu", "gpu_stream", "hybrid", "auto"), default="cpu")
+    kt_stream_ring: int = _key("gpu_stream: layers of streamed experts kept on the GPU at once (>= the MoE layers: "
+                               "backward streams nothing again)", default=2)
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
     kt_weight_path: Optional[str] = _key("packed routed-expert store written by `ktcore convert`")

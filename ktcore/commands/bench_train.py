@@ -285,6 +285,8 @@ class Settings:
     expert_lora_off: bool = True
     baseline: bool = False
     kernel_seconds: float = 1.0
+    placements: tuple = ("cpu",)  # kt_expert_placement of each ktcore run, side by side
+    stream_ring: int = 2  # kt_stream_ring of the gpu_stream runs
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
     @property
@@ -315,8 +317,8 @@ def split_of(step_s: float, spans: dict, device: torch.device) -> dict:
     }
 
 
-def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
-    """ktcore.load_model + PEFT, per tokens: expert LoRA off (unless not asked) then on."""
+def run_ktcore(settings: Settings, model_dir: Path, placement: str = "cpu") -> Iterator[dict]:
+    """ktcore.load_model with ``placement`` + PEFT, per tokens: expert LoRA off (unless not asked) then on."""
     from peft import get_peft_model
 
     from .. import load_model
@@ -324,30 +326,38 @@ def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
     from ..experts.timeline import attach
 
     device = settings.device
-    kt = {"kt_backend": settings.backend, "kt_num_threads": settings.threads}
+    kt = {"kt_backend": settings.backend, "kt_num_threads": settings.threads, "kt_expert_placement": placement,
+          "kt_stream_ring": settings.stream_ring}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
+    stream = base.ktcore.stream
     if settings.gradient_checkpointing:
         checkpoint_non_experts(base)
     backends = {layer.backend for layer in base.ktcore.layers.values()}
     pools = [getattr(b, "num_threads", None) for b in backends]
-    common = {"backend": ",".join(sorted(b.name for b in backends)), "moe_layers": len(base.ktcore.layers),
+    common = {"placement": placement, "backend": ",".join(sorted(b.name for b in backends)),
+              "moe_layers": len(base.ktcore.layers) + (len(stream.host) if stream else 0),
               "backend_threads": max((n for n in pools if n), default=None), "torch_threads": torch.get_num_threads()}
     variants = ([False] if settings.expert_lora_off else []) + [True]
     for tokens in settings.tokens:
         kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds, settings.dtype)
         step_off = None
         for expert_lora in variants:
-            run = "ktcore" if expert_lora else "ktcore, no expert LoRA"
+            run = ("ktcore" if placement == "cpu" else f"ktcore {placement}") + ("" if expert_lora else
+                                                                                ", no expert LoRA")
             model = None
             try:
                 torch.manual_seed(0)
                 model = get_peft_model(base, lora_config(base, settings.rank, experts=expert_lora))
                 model.train()
                 _reset_peaks(device)
+                copied = stream.copied_bytes if stream else 0
                 with attach(base) as timeline:
                     timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline)
                 step_s = timed["step_s"]
                 split = split_of(step_s, timed["spans"], device)
+                # host-to-device expert bytes per step (gpu_stream), and the pinned-bandwidth bound they set
+                split["h2d_gb"] = ((stream.copied_bytes - copied) / (settings.warmup + settings.steps) / 1e9
+                                   if stream else 0.0)
                 if not expert_lora:
                     step_off = step_s
                 elif step_off is not None:
@@ -453,7 +463,8 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
         built = write_random_model(make_config(settings.shape, settings.layers, settings.tiny), scratch / "model")
         model_dir = built
     try:
-        yield from run_ktcore(settings, model_dir)
+        for placement in settings.placements:
+            yield from run_ktcore(settings, model_dir, placement)
         if settings.baseline:
             yield from run_transformers(settings, model_dir, offload=False)
             yield from run_transformers(settings, model_dir, offload=True)
@@ -466,7 +477,7 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
 
 COLUMNS = (("run", "run"), ("tokens", "tokens"), ("tok_s", "tok/s"), ("step_s", "step s"),
            ("gpu_busy_s", "gpu busy"), ("cpu_experts_s", "cpu experts"), ("expert_lora_s", "expert lora"),
-           ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("cpu_idle_s", "cpu idle"),
+           ("h2d_gb", "h2d GB"), ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
            ("peak_host_gib", "peak host GiB"), ("error", "error"))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..errors import ConfigError
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins import UnknownPluginError, get_registry
 from ..plugins.threads import apply_budget
@@ -22,6 +23,7 @@ from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
+from .stream import ExpertStream, streamed_forward
 
 if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
     from ..config import KTConfig
@@ -36,6 +38,9 @@ _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorc
 def ktcore_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The experts forward transformers calls for ``experts_implementation="ktcore"``."""
     layer: Optional[ExpertLayer] = self.__dict__.get("_ktcore_layer")
+    streamed = self.__dict__.get("_ktcore_stream")
+    if streamed is not None:  # gpu_stream: host experts copied to the model's device for this call
+        return streamed_forward(self, *streamed, hidden_states, top_k_index, top_k_weights)
     if layer is None:
         if is_placeholder(self.gate_up_proj):
             raise RuntimeError(f"{type(self).__name__}: experts were never moved into a backend; build the model "
@@ -62,6 +67,7 @@ class WrapInfo:
     config: KTConfig
     layers: dict  # experts module name -> ExpertLayer (layers on a CPU backend)
     on_gpu: tuple = ()  # experts module names kept on the model's device by kt_placement
+    stream: Optional[ExpertStream] = None  # the layers placed gpu_stream (stream.host), in model order
 
     @property
     def packed_bytes(self) -> int:
@@ -164,21 +170,27 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
                          f"{type(model).__name__}")
     for _, name, module in modules:
         check_experts_module(module, name, arch)
+    if kt.kt_expert_placement in ("hybrid", "auto"):
+        raise ConfigError(f"kt_config.kt_expert_placement: {kt.kt_expert_placement} is not implemented yet (ktcore "
+                          "plan predicts it); use cpu or gpu_stream")
     backend = get_backend(kt.kt_backend, kt, need_backward=need_backward, need_lora=need_backward)
     return arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
+STREAM = "gpu_stream"  # plan_placement's value for a layer streamed to the model's device
+
+
 def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True) -> dict:
-    """experts module name -> the backend computing it, or None for a layer kept on the model's device."""
+    """experts module name -> the backend computing it, None for a layer kept on the model's device, or STREAM."""
     from ..plugins.select import get_backend
 
     rules = parse_rules(kt.kt_placement, "kt_config")
     backends = {kt.kt_backend: default_backend}
     plan = {}
     for _, name, _ in modules:
-        rule = place(name, rules, kt.kt_backend)
-        if rule.device == "gpu":
-            plan[name] = None
+        rule = place(name, rules, kt.kt_backend, kt.kt_expert_placement)
+        if rule.device != "cpu":
+            plan[name] = None if rule.device == "gpu" else STREAM
             continue
         if rule.backend not in backends:
             backends[rule.backend] = get_backend(rule.backend, kt, need_backward=need_backward,
@@ -200,6 +212,29 @@ def install_resident(model, name: str, module, weights: ExpertWeights, arch: Arc
     module.down_proj = torch.nn.Parameter(weights.down.to(device, dtype), requires_grad=False)
 
 
+def install_streamed(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device) -> None:
+    """Keep a gpu_stream layer's experts in host memory in HF's layout (``finish`` hands them to the stream);
+    the module gets placeholders, so PEFT's expert LoRA folds onto it as on a CPU-backend layer."""
+    if arch.dense_mlp or getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
+        raise ValueError(f"{name}: gpu_stream placement of dense MLPs or transposed / interleaved experts is not "
+                         "supported yet")
+    gate_up = torch.cat([weights.gate, weights.up], dim=1).to(dtype).contiguous()
+    down = weights.down.to(dtype).contiguous()
+    module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
+    module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
+    module.__dict__["_ktcore_host_experts"] = (gate_up, down)
+
+
+def _build_stream(model, kt, arch) -> Optional[ExpertStream]:
+    streamed = [m for _, _, m in expert_modules(model, arch) if "_ktcore_host_experts" in m.__dict__]
+    if not streamed:
+        return None
+    stream = ExpertStream(model.device, kt.kt_stream_ring)
+    for module in streamed:
+        module.__dict__["_ktcore_stream"] = (stream, stream.add(*module.__dict__.pop("_ktcore_host_experts")))
+    return stream
+
+
 def finish(model, kt, arch, backend, layers) -> None:
     if not arch.dense_mlp:  # dense MLPs were replaced by OffloadedMLP; MoE experts dispatch through HF
         register_experts_implementation()
@@ -212,11 +247,13 @@ def finish(model, kt, arch, backend, layers) -> None:
                 config = getattr(module, "config", None)
                 if hasattr(config, "_experts_implementation_internal"):
                     config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
-    on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers)
+    stream = _build_stream(model, kt, arch)
+    on_gpu = tuple(name for _, name, m in expert_modules(model, arch)
+                   if name not in layers and "_ktcore_stream" not in m.__dict__)
     pattern = experts_pattern(arch)
     install_overlap(model, arch, layers, lambda name: int(pattern.search(name).group(1)))
     apply_budget([layer.backend for layer in layers.values()], model.device)
-    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
+    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream)
 
 
 def wrap_model(model, kt: KTConfig, need_backward: bool = True):
@@ -231,6 +268,9 @@ def wrap_model(model, kt: KTConfig, need_backward: bool = True):
         if plan[name] is None:
             continue  # kt_placement keeps this layer as it is, on the model's device
         dtype, device = weight_dtype_device(module, arch)
+        if plan[name] == STREAM:
+            install_streamed(model, name, module, module_weights(module, arch), arch, dtype, device)
+            continue
         packed = plan[name].pack(module_weights(module, arch), activation=act)
         layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
         install_layer(model, name, module, layers[name], arch, dtype, device)

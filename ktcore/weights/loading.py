@@ -21,7 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..experts import ExpertLayer
-from ..model.wrap import activation_name, finish, install_layer, install_resident, plan_placement, prepare
+from ..model.wrap import (STREAM, activation_name, finish, install_layer, install_resident, install_streamed,
+                          plan_placement, prepare)
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 from .model_path import record_base
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights
@@ -94,11 +95,14 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
-        packed = target.pack_source(sources[name], act) if target is not None else None
+        packed = target.pack_source(sources[name], act) if target not in (None, STREAM) else None
         if packed is None:
             expert_weights = sources[name].read(dtype)
             if target is None:
                 install_resident(model, name, module, expert_weights, arch, dtype, device)
+                continue
+            if target == STREAM:
+                install_streamed(model, name, module, expert_weights, arch, dtype, device)
                 continue
             packed = target.pack(expert_weights, activation=act)
             del expert_weights
