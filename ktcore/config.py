@@ -52,11 +52,13 @@ class KTConfig:
     kt_placement: Optional[list] = _key("per-layer rules [{match: REGEX, device: gpu} or {match: REGEX, "
                                         "backend: NAME}]; the first rule matching an experts module decides")
     kt_expert_placement: str = _key("where routed experts are computed when no kt_placement rule matches: cpu "
-                                    "(the CPU backend) or gpu_stream (host memory, streamed to the GPU per use); "
-                                    "hybrid and auto are planned (ktcore plan predicts them)",
+                                    "(the CPU backend), gpu_stream (host memory, streamed to the GPU per use) or "
+                                    "hybrid (split between the two); auto is planned (ktcore plan predicts it)",
                                     ("cpu", "gpu_stream", "hybrid", "auto"), default="cpu")
     kt_stream_ring: int = _key("gpu_stream: layers of streamed experts kept on the GPU at once (>= the MoE layers: "
                                "backward streams nothing again)", default=2)
+    kt_hybrid_cpu_share: Optional[float] = _key("hybrid: share of each layer's experts the CPU backend computes "
+                                                "(ktcore plan's CPU share)")
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
     kt_weight_path: Optional[str] = _key("packed routed-expert store written by `ktcore convert`")
@@ -66,7 +68,7 @@ class KTConfig:
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
                    "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement",
-                   "kt_expert_placement", "kt_stream_ring")
+                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")
 
 
@@ -134,12 +136,6 @@ class TrainConfig:
     # ktcore
     use_kt: bool = _key("compute routed experts on the CPU backend", default=False)
     kt_config: KTConfig = _key("the kt_config section (see its keys)", default_factory=KTConfig)
-    kt_expert_placement: str = _key("where routed experts are computed when no kt_placement rule matches: cpu "
-                                    "(the CPU backend) or gpu_stream (host memory, streamed to the GPU per use); "
-                                    "hybrid and auto are planned (ktcore plan predicts them)",
-                                    ("cpu", "gpu_stream", "hybrid", "auto"), default="cpu")
-    kt_stream_ring: int = _key("gpu_stream: layers of streamed experts kept on the GPU at once (>= the MoE layers: "
-                               "backward streams nothing again)", default=2)
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
     kt_weight_path: Optional[str] = _key("packed routed-expert store written by `ktcore convert`")
@@ -288,6 +284,11 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         if value is not None:
             raise ConfigError(f"{where}: {name}: packed weight stores (`ktcore convert`) are not implemented yet; "
                               "remove the key, the experts are read from model_name_or_path")
+    if kt.kt_hybrid_cpu_share is not None and not 0 < kt.kt_hybrid_cpu_share < 1:
+        raise ConfigError(f"{where}: kt_config.kt_hybrid_cpu_share must be between 0 and 1 (exclusive), got "
+                          f"{kt.kt_hybrid_cpu_share}")
+    if kt.kt_stream_ring < 1:
+        raise ConfigError(f"{where}: kt_config.kt_stream_ring must be >= 1, got {kt.kt_stream_ring}")
     if kt.kt_weight_lifecycle != "persistent":
         raise ConfigError(f"{where}: kt_config.kt_weight_lifecycle: only 'persistent' is implemented so far")
     try:

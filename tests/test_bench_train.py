@@ -48,15 +48,17 @@ def test_every_run_reports_its_speed_split_memory_and_kernel_time(tmp_path):
 
 
 def test_placements_side_by_side(tmp_path):
-    """--placement cpu,gpu_stream: one run of each on the same model, the streamed one with no CPU-backend time
-    (on the CPU nothing is copied: the host copy is the device copy)."""
-    rows = bench("--tokens", "16", "--kernel-seconds", "0", "--no-expert-lora-off", "--placement", "cpu,gpu_stream",
-                 "--workdir", str(tmp_path))
-    assert [(r["run"], r["placement"]) for r in rows] == [("ktcore", "cpu"), ("ktcore gpu_stream", "gpu_stream")]
+    """--placement cpu,gpu_stream,hybrid: one run of each on the same model, the streamed one with no CPU-backend
+    time (on the CPU nothing is copied: the host copy is the device copy)."""
+    rows = bench("--tokens", "16", "--kernel-seconds", "0", "--no-expert-lora-off", "--placement",
+                 "cpu,gpu_stream,hybrid", "--workdir", str(tmp_path))
+    assert [(r["run"], r["placement"]) for r in rows] == [("ktcore", "cpu"), ("ktcore gpu_stream", "gpu_stream"),
+                                                          ("ktcore hybrid", "hybrid")]
     for row in rows:
         assert row["error"] is None and row["tok_s"] > 0 and row["moe_layers"] == 2
+        assert row["split"]["h2d_gb"] == 0
     assert rows[0]["split"]["cpu_experts_s"] > 0 and rows[1]["split"]["cpu_experts_s"] == 0
-    assert rows[1]["split"]["h2d_gb"] == 0
+    assert rows[2]["split"]["cpu_experts_s"] > 0  # the CPU's share
 
 
 def test_kept_model_is_timed_again_with_attention_only_checkpointing(tmp_path):

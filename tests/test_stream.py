@@ -85,11 +85,59 @@ def test_disabled_adapter_streams_the_base_weights(qwen3_pair):
         assert relative_error(model(batch()[0]).logits, base) <= 1e-5
 
 
-@pytest.mark.parametrize("placement", ["hybrid", "auto"])
-def test_unbuilt_placements_are_one_line_before_any_weight(qwen3_pair, placement):
+def hybrid(model, share=0.5, ring=1, **kt):
+    return ktcore.wrap_model(model, {"kt_config": {"kt_backend": "torch", "kt_expert_placement": "hybrid",
+                                                   "kt_hybrid_cpu_share": share, "kt_stream_ring": ring, **kt}})
+
+
+@pytest.mark.parametrize("share", [0.25, 0.75])
+def test_hybrid_matches_transformers_and_peft(qwen3_pair, share):
+    """The first experts on the torch backend, the others streamed (ring 1: backward fetches again); the tiny
+    model's routing reaches experts on both sides, so both halves of every LoRA factor get gradients."""
+    plain, ours = qwen3_pair
+    hybrid(ours, share)
+    experts = ours.model.layers[0].mlp.experts
+    n = round(share * experts.num_experts)
+    assert len(ours.ktcore.layers) == 2 and len(ours.ktcore.stream.host) == 2
+    assert ours.ktcore.stream.host[0][0].shape[0] == experts.num_experts - n
+    a, b = peft_pair(plain, ours)
+    ids, mask = batch(9)
+    routed = a(ids, attention_mask=mask, output_router_logits=True).router_logits[0].topk(2, dim=-1).indices
+    assert (routed < n).any() and (routed >= n).any()  # both sides have work
+    assert_same_training_signal(a, b, ids, mask)
+
+
+def test_hybrid_matches_cpu_placement_on_deepseek():
+    """DeepSeek-V2 (shared experts after the routed ones: the CPU layers there overlap them) with one layer
+    hybrid by a rule and the other on the CPU backend, against the whole model on the CPU backend."""
+    plain = tiny_model("deepseek_v2", seed=6)
+    first = MOE_LAYERS["deepseek_v2"][0]
+    on_cpu = ktcore.wrap_model(copy.deepcopy(plain), {"kt_backend": "torch"})
+    ours = ktcore.wrap_model(copy.deepcopy(plain), {"kt_config": {
+        "kt_backend": "torch", "kt_hybrid_cpu_share": 0.5,
+        "kt_placement": [{"match": rf"layers\.{first}\.", "device": "hybrid"}]}})
+    assert len(ours.ktcore.stream.host) == 1 and len(ours.ktcore.layers) == 2
+    a, b = peft_pair(on_cpu, ours)
+    ref, ref_grads = lora_grads(a, *batch(10))
+    got, got_grads = lora_grads(b, *batch(10))
+    assert relative_error(got.logits, ref.logits) <= 1e-5  # measured 1e-7
+    for name in ref_grads:
+        assert relative_error(got_grads[name], ref_grads[name]) <= 1e-4, name  # measured 5e-7
+
+
+def test_hybrid_needs_its_share_before_any_weight(qwen3_pair):
     _, ours = qwen3_pair
-    with pytest.raises(ConfigError, match=f"kt_expert_placement: {placement} is not implemented yet"):
-        ktcore.wrap_model(ours, {"kt_config": {"kt_expert_placement": placement}})
+    with pytest.raises(ConfigError, match="kt_hybrid_cpu_share is required"):
+        ktcore.wrap_model(ours, {"kt_config": {"kt_expert_placement": "hybrid"}})
+    assert not is_placeholder(ours.model.layers[0].mlp.experts.gate_up_proj)
+    with pytest.raises(ValueError, match="needs 1 to"):
+        hybrid(ours, share=0.01)
+
+
+def test_auto_is_one_line_before_any_weight(qwen3_pair):
+    _, ours = qwen3_pair
+    with pytest.raises(ConfigError, match="kt_expert_placement: auto is not implemented yet"):
+        ktcore.wrap_model(ours, {"kt_config": {"kt_expert_placement": "auto"}})
     assert not is_placeholder(ours.model.layers[0].mlp.experts.gate_up_proj)
 
 
@@ -103,16 +151,19 @@ def test_stream_ring_must_hold_a_layer(qwen3_pair):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 @pytest.mark.parametrize("ring", [1, 3])
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
-def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring):
+@pytest.mark.parametrize("placement", ["gpu_stream", "hybrid"])
+def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring, placement):
     """Experts pinned in host memory, copied on the side stream with the next layer prefetched, computed by
-    transformers' grouped kernel on CUDA in bf16: as close to the fp32 truth as plain transformers in bf16
+    transformers' grouped kernel on CUDA in bf16 (hybrid: half of them, the CPU backend the other half at the
+    same time): as close to the fp32 truth as plain transformers in bf16
     (loss and every LoRA gradient), and the bytes copied are the layers' (and again in backward with ring 1)."""
     plain = tiny_model_of(family)
     plain.save_pretrained(tmp_path / "model")
     truth = copy.deepcopy(plain).to("cuda")
     plain_bf16 = copy.deepcopy(plain).to("cuda", torch.bfloat16)
     ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_expert_placement":
-                                                                "gpu_stream", "kt_stream_ring": ring}},
+                                                                placement, "kt_stream_ring": ring,
+                                                                "kt_hybrid_cpu_share": 0.5}},
                              device="cuda", dtype=torch.bfloat16, progress=False)
     stream = ours.ktcore.stream
     assert all(t.is_pinned() for layer in stream.host for t in layer)

@@ -286,7 +286,8 @@ class Settings:
     baseline: bool = False
     kernel_seconds: float = 1.0
     placements: tuple = ("cpu",)  # kt_expert_placement of each ktcore run, side by side
-    stream_ring: int = 2  # kt_stream_ring of the gpu_stream runs
+    stream_ring: int = 2  # kt_stream_ring of the gpu_stream and hybrid runs
+    hybrid_cpu_share: float = 0.5  # kt_hybrid_cpu_share of the hybrid runs
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
     @property
@@ -327,7 +328,7 @@ def run_ktcore(settings: Settings, model_dir: Path, placement: str = "cpu") -> I
 
     device = settings.device
     kt = {"kt_backend": settings.backend, "kt_num_threads": settings.threads, "kt_expert_placement": placement,
-          "kt_stream_ring": settings.stream_ring}
+          "kt_stream_ring": settings.stream_ring, "kt_hybrid_cpu_share": settings.hybrid_cpu_share}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
     stream = base.ktcore.stream
     if settings.gradient_checkpointing:
@@ -335,11 +336,13 @@ def run_ktcore(settings: Settings, model_dir: Path, placement: str = "cpu") -> I
     backends = {layer.backend for layer in base.ktcore.layers.values()}
     pools = [getattr(b, "num_threads", None) for b in backends]
     common = {"placement": placement, "backend": ",".join(sorted(b.name for b in backends)),
-              "moe_layers": len(base.ktcore.layers) + (len(stream.host) if stream else 0),
+              "moe_layers": len(set(base.ktcore.layers) | set(base.ktcore.streamed)),
               "backend_threads": max((n for n in pools if n), default=None), "torch_threads": torch.get_num_threads()}
     variants = ([False] if settings.expert_lora_off else []) + [True]
     for tokens in settings.tokens:
-        kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds, settings.dtype)
+        # the backend alone on whole layers: a figure of the cpu placement (a hybrid layer's backend has a share)
+        kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds if placement == "cpu" else 0,
+                              settings.dtype)
         step_off = None
         for expert_lora in variants:
             run = ("ktcore" if placement == "cpu" else f"ktcore {placement}") + ("" if expert_lora else

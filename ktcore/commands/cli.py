@@ -344,13 +344,15 @@ def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, lo
 @click.option("--keep", is_flag=True, help="keep the scratch model (its path is printed)")
 @click.option("--cpu", "on_cpu", is_flag=True, help="run on the CPU at the tiny shape even when there is a GPU")
 @click.option("--placement", "placements", default="cpu", show_default=True,
-              help="comma list of kt_expert_placement values, each run side by side (cpu, gpu_stream)")
+              help="comma list of kt_expert_placement values, each run side by side (cpu, gpu_stream, hybrid)")
+@click.option("--hybrid-cpu-share", default=0.5, show_default=True, type=click.FloatRange(0, 1, min_open=True,
+              max_open=True), help="kt_hybrid_cpu_share of the hybrid runs (ktcore plan predicts the best)")
 @click.option("--stream-ring", default=2, show_default=True, type=click.IntRange(min=1),
               help="kt_stream_ring of the gpu_stream runs")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
                 expert_lora_off, baseline, kernel_seconds, model_dir, workdir, keep, on_cpu, placements, stream_ring,
-                as_json):
+                hybrid_cpu_share, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
@@ -362,10 +364,11 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
     settings = Settings(SHAPES[shape], layers, (), backend=backend, threads=threads, rank=lora_rank,
                         warmup=warmup, steps=steps, gradient_checkpointing=gradient_checkpointing,
                         expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds,
-                        placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring)
-    unknown = [p for p in settings.placements if p not in ("cpu", "gpu_stream")]
+                        placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring,
+                        hybrid_cpu_share=hybrid_cpu_share)
+    unknown = [p for p in settings.placements if p not in ("cpu", "gpu_stream", "hybrid")]
     if unknown:
-        raise click.UsageError(f"--placement {','.join(unknown)}: bench train runs cpu and gpu_stream")
+        raise click.UsageError(f"--placement {','.join(unknown)}: bench train runs cpu, gpu_stream and hybrid")
     if on_cpu:
         settings.device = torch.device("cpu")
     default_tokens = "64,256" if settings.tiny else "2048,8192"

@@ -11,6 +11,7 @@ name decides, and a module no rule matches uses ``kt_backend`` on the CPU::
 
 ``device: gpu`` leaves the layer's experts as transformers' own module on the model's device; ``device:
 gpu_stream`` keeps them in host memory and streams them to the model's device for each use (``model/stream.py``);
+``device: hybrid`` splits them between ``kt_backend`` and the stream (``model/hybrid.py``);
 ``backend`` names any expert backend plugin (computed on the CPU). ``kt_expert_placement`` is the device of the
 layers no rule matches.
 """
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-DEVICES = ("cpu", "gpu", "gpu_stream")
+DEVICES = ("cpu", "gpu", "gpu_stream", "hybrid")
 
 
 @dataclass(frozen=True)

@@ -88,10 +88,13 @@ class _Refetch:
 
 class _WeightsOf:
     """The experts module as transformers' kernel sees it, with the streamed weights in place of the
-    placeholders."""
+    placeholders; a hybrid layer's GPU share is a slice of the experts, the others' slots carry transformers'
+    expert-parallel sentinel (an id past the slice: no expert)."""
 
     def __init__(self, module, gate_up, down):
-        self.__dict__.update(_module=module, gate_up_proj=gate_up, down_proj=down)
+        sliced = gate_up.shape[0] != module.num_experts
+        self.__dict__.update(_module=module, gate_up_proj=gate_up, down_proj=down, num_experts=gate_up.shape[0],
+                             _is_expert_parallel=sliced or module._is_expert_parallel)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -105,16 +108,17 @@ def _with_lora(weight: torch.Tensor, factors) -> torch.Tensor:
     return weight + (torch.bmm(b, a) * scale).to(weight.dtype)
 
 
-def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, top_k_index, top_k_weights):
-    """One streamed layer's experts: fetch, add LoRA, run transformers' grouped kernel; backward fetches again."""
+def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, top_k_index, top_k_weights,
+                     lora=None, first: int = 0):
+    """One streamed layer's experts: fetch, add LoRA, run transformers' grouped kernel; backward fetches again.
+    ``first``: the stream holds experts ``first..`` of the layer (a hybrid layer's GPU share), and
+    ``top_k_index`` counts from there (an id past them: no expert); ``lora`` is the whole layer's."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    from .peft_expert_lora import expert_lora_of
-
-    lora = expert_lora_of(module)
+    part = slice(first, None)
     factors = (None, None) if lora is None else (
-        None if lora.gate_up_a is None else (lora.gate_up_b, lora.gate_up_a, lora.gate_up_scale),
-        None if lora.down_a is None else (lora.down_b, lora.down_a, lora.down_scale))
+        None if lora.gate_up_a is None else (lora.gate_up_b[part], lora.gate_up_a[part], lora.gate_up_scale),
+        None if lora.down_a is None else (lora.down_b[part], lora.down_a[part], lora.down_scale))
     base = stream.fetch(index, +1)
     weights = tuple(_with_lora(w.to(hidden_states.dtype), f) for w, f in zip(base, factors))
     if stream.ring >= len(stream.host):  # every layer stays on the device: nothing to stream again

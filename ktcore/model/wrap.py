@@ -23,6 +23,7 @@ from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
+from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .stream import ExpertStream, streamed_forward
 
 if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
@@ -39,8 +40,11 @@ def ktcore_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The experts forward transformers calls for ``experts_implementation="ktcore"``."""
     layer: Optional[ExpertLayer] = self.__dict__.get("_ktcore_layer")
     streamed = self.__dict__.get("_ktcore_stream")
+    if streamed is not None and layer is not None:  # hybrid: the first experts on the CPU, the others streamed
+        return hybrid_forward(self, layer, self.__dict__["_ktcore_cpu_experts"], *streamed, hidden_states,
+                              top_k_index, top_k_weights)
     if streamed is not None:  # gpu_stream: host experts copied to the model's device for this call
-        return streamed_forward(self, *streamed, hidden_states, top_k_index, top_k_weights)
+        return streamed_forward(self, *streamed, hidden_states, top_k_index, top_k_weights, expert_lora_of(self))
     if layer is None:
         if is_placeholder(self.gate_up_proj):
             raise RuntimeError(f"{type(self).__name__}: experts were never moved into a backend; build the model "
@@ -67,7 +71,8 @@ class WrapInfo:
     config: KTConfig
     layers: dict  # experts module name -> ExpertLayer (layers on a CPU backend)
     on_gpu: tuple = ()  # experts module names kept on the model's device by kt_placement
-    stream: Optional[ExpertStream] = None  # the layers placed gpu_stream (stream.host), in model order
+    stream: Optional[ExpertStream] = None  # the experts placed gpu_stream or hybrid (stream.host), in model order
+    streamed: tuple = ()  # experts module names with (some of) their experts in the stream
 
     @property
     def packed_bytes(self) -> int:
@@ -170,18 +175,25 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
                          f"{type(model).__name__}")
     for _, name, module in modules:
         check_experts_module(module, name, arch)
-    if kt.kt_expert_placement in ("hybrid", "auto"):
-        raise ConfigError(f"kt_config.kt_expert_placement: {kt.kt_expert_placement} is not implemented yet (ktcore "
-                          "plan predicts it); use cpu or gpu_stream")
+    if kt.kt_expert_placement == "auto":
+        raise ConfigError("kt_config.kt_expert_placement: auto is not implemented yet (ktcore plan says what it "
+                          "would take); use cpu, gpu_stream or hybrid")
+    hybrid = kt.kt_expert_placement == "hybrid" or any(r.device == "hybrid" for r in parse_rules(kt.kt_placement,
+                                                                                              "kt_config"))
+    if hybrid and kt.kt_hybrid_cpu_share is None:
+        raise ConfigError("kt_config.kt_hybrid_cpu_share is required for hybrid placement: set it to the CPU share "
+                          "`ktcore plan` predicts (the share of each layer's experts the CPU computes)")
     backend = get_backend(kt.kt_backend, kt, need_backward=need_backward, need_lora=need_backward)
     return arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
 STREAM = "gpu_stream"  # plan_placement's value for a layer streamed to the model's device
+HYBRID = "hybrid"  # ... for a layer split between the default backend and the stream
 
 
 def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True) -> dict:
-    """experts module name -> the backend computing it, None for a layer kept on the model's device, or STREAM."""
+    """experts module name -> the backend computing it, None for a layer kept on the model's device, STREAM or
+    HYBRID."""
     from ..plugins.select import get_backend
 
     rules = parse_rules(kt.kt_placement, "kt_config")
@@ -190,7 +202,7 @@ def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool =
     for _, name, _ in modules:
         rule = place(name, rules, kt.kt_backend, kt.kt_expert_placement)
         if rule.device != "cpu":
-            plan[name] = None if rule.device == "gpu" else STREAM
+            plan[name] = {"gpu": None, "gpu_stream": STREAM, "hybrid": HYBRID}[rule.device]
             continue
         if rule.backend not in backends:
             backends[rule.backend] = get_backend(rule.backend, kt, need_backward=need_backward,
@@ -220,9 +232,25 @@ def install_streamed(model, name: str, module, weights: ExpertWeights, arch: Arc
                          "supported yet")
     gate_up = torch.cat([weights.gate, weights.up], dim=1).to(dtype).contiguous()
     down = weights.down.to(dtype).contiguous()
+    if not is_placeholder(module.gate_up_proj):  # a hybrid layer's share has the placeholders already
+        module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
+        module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
+    module.__dict__["_ktcore_host_experts"] = (gate_up, down)
+
+
+def install_hybrid(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device, backend,
+                   budget, kt, act: str):
+    """Split a hybrid layer: the first experts packed into ``backend``, the others kept for the stream."""
+    n = cpu_experts(kt.kt_hybrid_cpu_share, weights.gate.shape[0], name)
+    cpu = ExpertWeights(weights.gate[:n], weights.up[:n], weights.down[:n])
+    layer = ExpertLayer(backend, backend.pack(cpu, activation=act), budget, kt.kt_cpu_activation, name)
+    layer.overlap = HybridPoint()
     module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
     module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
-    module.__dict__["_ktcore_host_experts"] = (gate_up, down)
+    install_streamed(model, name, module, ExpertWeights(weights.gate[n:], weights.up[n:], weights.down[n:]), arch,
+                     dtype, device)
+    module.__dict__.update(_ktcore_layer=layer, _ktcore_cpu_experts=n)
+    return layer
 
 
 def _build_stream(model, kt, arch) -> Optional[ExpertStream]:
@@ -248,12 +276,13 @@ def finish(model, kt, arch, backend, layers) -> None:
                 if hasattr(config, "_experts_implementation_internal"):
                     config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
     stream = _build_stream(model, kt, arch)
-    on_gpu = tuple(name for _, name, m in expert_modules(model, arch)
-                   if name not in layers and "_ktcore_stream" not in m.__dict__)
+    streamed = tuple(name for _, name, m in expert_modules(model, arch) if "_ktcore_stream" in m.__dict__)
+    on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers and name not in streamed)
     pattern = experts_pattern(arch)
-    install_overlap(model, arch, layers, lambda name: int(pattern.search(name).group(1)))
+    whole = {name: layer for name, layer in layers.items() if not isinstance(layer.overlap, HybridPoint)}
+    install_overlap(model, arch, whole, lambda name: int(pattern.search(name).group(1)))
     apply_budget([layer.backend for layer in layers.values()], model.device)
-    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream)
+    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream, streamed)
 
 
 def wrap_model(model, kt: KTConfig, need_backward: bool = True):
@@ -270,6 +299,10 @@ def wrap_model(model, kt: KTConfig, need_backward: bool = True):
         dtype, device = weight_dtype_device(module, arch)
         if plan[name] == STREAM:
             install_streamed(model, name, module, module_weights(module, arch), arch, dtype, device)
+            continue
+        if plan[name] == HYBRID:
+            layers[name] = install_hybrid(model, name, module, module_weights(module, arch), arch, dtype, device,
+                                          backend, budget, kt, act)
             continue
         packed = plan[name].pack(module_weights(module, arch), activation=act)
         layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)

@@ -21,8 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..experts import ExpertLayer
-from ..model.wrap import (STREAM, activation_name, finish, install_layer, install_resident, install_streamed,
-                          plan_placement, prepare)
+from ..model.wrap import (HYBRID, STREAM, activation_name, finish, install_hybrid, install_layer, install_resident,
+                          install_streamed, plan_placement, prepare)
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 from .model_path import record_base
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights
@@ -95,7 +95,7 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
-        packed = target.pack_source(sources[name], act) if target not in (None, STREAM) else None
+        packed = target.pack_source(sources[name], act) if target not in (None, STREAM, HYBRID) else None
         if packed is None:
             expert_weights = sources[name].read(dtype)
             if target is None:
@@ -103,6 +103,10 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
                 continue
             if target == STREAM:
                 install_streamed(model, name, module, expert_weights, arch, dtype, device)
+                continue
+            if target == HYBRID:
+                layers[name] = install_hybrid(model, name, module, expert_weights, arch, dtype, device, backend,
+                                              budget, kt, act)
                 continue
             packed = target.pack(expert_weights, activation=act)
             del expert_weights
