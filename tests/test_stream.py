@@ -186,3 +186,16 @@ def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring, placement):
     # forward copies every layer once; backward again each layer the ring no longer holds (ring 1: the first)
     sizes = [sum(t.numel() * t.element_size() for t in layer) for layer in stream.host]
     assert stream.copied_bytes == sum(sizes) + (sizes[0] if ring == 1 else 0)
+
+
+@pytest.mark.parametrize("placement", ["gpu_stream", "hybrid"])
+def test_load_model_streams_from_the_checkpoint(tmp_path, placement):
+    """The loading path (experts read from the safetensors into the stream and the backend) gives what
+    transformers + PEFT give on the same checkpoint."""
+    plain = tiny_model_of("qwen3_moe")
+    plain.save_pretrained(tmp_path / "model")
+    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_expert_placement": placement,
+                                                                "kt_stream_ring": 1, "kt_hybrid_cpu_share": 0.5}},
+                             progress=False)
+    assert len(ours.ktcore.streamed) == 2 and len(ours.ktcore.layers) == (2 if placement == "hybrid" else 0)
+    assert_same_training_signal(*peft_pair(plain, ours), *batch(11))
