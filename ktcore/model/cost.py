@@ -9,10 +9,11 @@ Placements of the routed experts:
 
 * ``cpu``: the CPU backend computes them; each MoE layer's experts wait for its attention (one sequence), so
   the step is the GPU's own work plus every layer's CPU expert time.
-* ``gpu_stream``: they live in pinned host memory; the experts a layer touches are copied to a ring of GPU
-  buffers while the layer before computes, and again in backward (the ring holds ``ring`` layers). A layer
-  takes the longer of its copy and its GPU work.
-* ``hybrid``: each layer's experts are split so the CPU's share and the GPU's streamed share finish together.
+* ``gpu_stream``: they live in pinned host memory; each layer's experts are copied to the GPU while the layer
+  before computes, and again in backward unless the ring (``ring`` layers) holds every MoE layer. A layer takes
+  the longer of its copy and its GPU work.
+* ``hybrid``: each layer's experts are split so the CPU's share (after the layer's attention) and the GPU's
+  streamed share finish together.
 * ``gpu``: all experts resident on the GPU (transformers' own kernels): the yardstick, when it fits.
 
 The constants below were fitted to ``ktcore bench train`` runs on the H200 machine (benchmarks/RESULTS.md,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, as for layers placed on the GPU
+GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for streamed layers and layers placed on the GPU
 
 
 class ExpertStream:
@@ -121,9 +121,9 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
         None if lora.down_a is None else (lora.down_b[part], lora.down_a[part], lora.down_scale))
     base = stream.fetch(index, +1)
     weights = tuple(_with_lora(w.to(hidden_states.dtype), f) for w, f in zip(base, factors))
+    experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
     if stream.ring >= len(stream.host):  # every layer stays on the device: nothing to stream again
-        return ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION](_WeightsOf(module, *weights), hidden_states,
-                                                                 top_k_index, top_k_weights)
+        return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)
     storages = [w.untyped_storage().data_ptr() for w in weights]
 
     def pack(t):
@@ -136,10 +136,9 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
         if not isinstance(saved, _Refetch):
             return saved
         with torch.no_grad():  # the factors have not changed since the forward (the optimizer steps after)
-            part = stream.fetch(index, -1)[saved.part].to(hidden_states.dtype)
-            full = _with_lora(part, factors[saved.part])
+            weight = stream.fetch(index, -1)[saved.part].to(hidden_states.dtype)
+            full = _with_lora(weight, factors[saved.part])
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION](_WeightsOf(module, *weights), hidden_states,
-                                                                 top_k_index, top_k_weights)
+        return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)

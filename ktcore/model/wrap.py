@@ -19,18 +19,17 @@ from ..plugins import UnknownPluginError, get_registry
 from ..plugins.threads import apply_budget
 from ..specs import ArchSpec, import_object
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
+from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
-from .hybrid import HybridPoint, cpu_experts, hybrid_forward
-from .stream import ExpertStream, streamed_forward
+from .stream import GPU_EXPERTS_IMPLEMENTATION, ExpertStream, streamed_forward
 
 if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
     from ..config import KTConfig
 
 EXPERTS_IMPLEMENTATION = "ktcore"
-GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for layers placed on the GPU
 
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
@@ -225,16 +224,16 @@ def install_resident(model, name: str, module, weights: ExpertWeights, arch: Arc
 
 
 def install_streamed(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device) -> None:
-    """Keep a gpu_stream layer's experts in host memory in HF's layout (``finish`` hands them to the stream);
-    the module gets placeholders, so PEFT's expert LoRA folds onto it as on a CPU-backend layer."""
+    """Keep a gpu_stream layer's experts (a hybrid layer's GPU share) in host memory in HF's layout (``finish``
+    hands them to the stream); the module gets placeholders of its whole shape, so PEFT's expert LoRA folds onto
+    it as on a CPU-backend layer."""
     if arch.dense_mlp or getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
         raise ValueError(f"{name}: gpu_stream placement of dense MLPs or transposed / interleaved experts is not "
                          "supported yet")
     gate_up = torch.cat([weights.gate, weights.up], dim=1).to(dtype).contiguous()
     down = weights.down.to(dtype).contiguous()
-    if not is_placeholder(module.gate_up_proj):  # a hybrid layer's share has the placeholders already
-        module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
-        module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
+    module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
+    module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
     module.__dict__["_ktcore_host_experts"] = (gate_up, down)
 
 
@@ -245,8 +244,6 @@ def install_hybrid(model, name: str, module, weights: ExpertWeights, arch: ArchS
     cpu = ExpertWeights(weights.gate[:n], weights.up[:n], weights.down[:n])
     layer = ExpertLayer(backend, backend.pack(cpu, activation=act), budget, kt.kt_cpu_activation, name)
     layer.overlap = HybridPoint()
-    module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
-    module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
     install_streamed(model, name, module, ExpertWeights(weights.gate[n:], weights.up[n:], weights.down[n:]), arch,
                      dtype, device)
     module.__dict__.update(_ktcore_layer=layer, _ktcore_cpu_experts=n)
