@@ -14,9 +14,8 @@ import pytest
 from transformers import AutoConfig
 
 from ktcore.commands.bench_train import SHAPES, make_config
-from ktcore.commands.plan import load_rates
 from ktcore.errors import ConfigError
-from ktcore.model.cost import PLACEMENTS, Rates, Setting, best_placement, hybrid_share, plan, predict
+from ktcore.model.cost import PLACEMENTS, Rates, Setting, best_placement, hybrid_share, load_rates, plan, predict
 from ktcore.model.shape import model_shape
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -149,7 +149,8 @@ def doctor(as_json, seconds):
 def plan_cmd(config_path, rates_path, gpu_mem, host_ram, cpu_cores, tokens, as_json, overrides):
     """Predict time and memory of each expert placement from config.json alone, and what auto would take."""
     from ..config import load_config
-    from .plan import format_plan, load_rates, measured_rates, run
+    from ..model.cost import load_rates
+    from .plan import format_plan, measured_rates, run
 
     cfg = load_config(config_path, overrides)
     try:

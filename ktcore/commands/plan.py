@@ -3,39 +3,11 @@ config.json alone (no weight is read) and a machine's measured rates (``model/co
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
-from ..model.cost import RATE_FIELDS, Rates, Setting, is_finite, plan
-
-REQUIRED = ("cpu_expert_gflops", "dram_gbps", "cpu_cores")
-
-
-def load_rates(path) -> Rates:
-    """A rates file: a JSON object of ``Rates`` fields, or ``ktcore doctor --json`` output (its ``rates``)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable JSON rates file ({exc}); write one with "
-                          "`ktcore doctor --json > rates.json`") from exc
-    if isinstance(data, dict) and isinstance(data.get("rates"), dict):
-        data = data["rates"]
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a rates file is a JSON object of {', '.join(RATE_FIELDS)}")
-    unknown = sorted(set(data) - set(RATE_FIELDS) - {"note"})
-    if unknown:
-        raise ConfigError(f"{path}: unknown rate key(s) {', '.join(unknown)}; the keys are {', '.join(RATE_FIELDS)}")
-    missing = [k for k in REQUIRED if data.get(k) is None]
-    if missing:
-        raise ConfigError(f"{path}: missing {', '.join(missing)} (measure them with `ktcore doctor --json`)")
-    for key in RATE_FIELDS:
-        if data.get(key) is not None and not (is_finite(data[key]) or (key == "gpu_layer_ms" and data[key] == 0)):
-            raise ConfigError(f"{path}: {key} must be a positive number, got {data[key]!r}")
-    return Rates(**{k: v for k, v in data.items() if k != "note"})
-
+from ..model.cost import Rates, Setting, plan
 
 def measured_rates(kt, seconds: float = 0.5) -> Rates:
     """This machine's rates, measured now with the backend ``kt_backend`` names (``ktcore doctor``'s probes)."""

@@ -23,10 +23,13 @@ within 3%, its peak GPU memory within 10% and its tokens/s within 11% (``tests/t
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Optional
 
+from ..errors import ConfigError
 from .shape import ModelShape
 
 GIB = 2**30
@@ -231,3 +234,30 @@ def best_placement(shape: ModelShape, s: Setting, rates: Rates) -> str:
 
 def is_finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+REQUIRED = ("cpu_expert_gflops", "dram_gbps", "cpu_cores")
+
+
+def load_rates(path) -> Rates:
+    """A rates file: a JSON object of ``Rates`` fields, or ``ktcore doctor --json`` output (its ``rates``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON rates file ({exc}); write one with "
+                          "`ktcore doctor --json > rates.json`") from exc
+    if isinstance(data, dict) and isinstance(data.get("rates"), dict):
+        data = data["rates"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a rates file is a JSON object of {', '.join(RATE_FIELDS)}")
+    unknown = sorted(set(data) - set(RATE_FIELDS) - {"note"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown rate key(s) {', '.join(unknown)}; the keys are {', '.join(RATE_FIELDS)}")
+    missing = [k for k in REQUIRED if data.get(k) is None]
+    if missing:
+        raise ConfigError(f"{path}: missing {', '.join(missing)} (measure them with `ktcore doctor --json`)")
+    for key in RATE_FIELDS:
+        if data.get(key) is not None and not (is_finite(data[key]) or (key == "gpu_layer_ms" and data[key] == 0)):
+            raise ConfigError(f"{path}: {key} must be a positive number, got {data[key]!r}")
+    return Rates(**{k: v for k, v in data.items() if k != "note"})
