@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from ktcore.commands.bench_train import SHAPES, make_config
 from ktcore.errors import ConfigError
-from ktcore.model.cost import PLACEMENTS, Rates, Setting, best_placement, hybrid_share, load_rates, plan, predict
+from ktcore.model.cost import PLACEMENTS, Rates, Setting, hybrid_share, load_rates, plan, predict
 from ktcore.model.shape import model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,13 +79,13 @@ FAST_CPU_SLOW_BUS = Rates(cpu_expert_gflops=1e6, dram_gbps=1e4, cpu_cores=64, h2
 
 def test_auto_follows_the_rates(shapes):
     shape, step = shapes["dsv2lite6"], Setting(tokens=4096)
-    assert best_placement(shape, step, SLOW_CPU) in ("gpu_stream", "hybrid")
+    assert plan(shape, step, SLOW_CPU)["auto"] in ("gpu_stream", "hybrid")
     assert predict(shape, step, SLOW_CPU, "hybrid").cpu_share < 0.01  # the CPU is worth almost nothing
-    assert best_placement(shape, step, FAST_CPU_SLOW_BUS) in ("cpu", "hybrid")
+    assert plan(shape, step, FAST_CPU_SLOW_BUS)["auto"] in ("cpu", "hybrid")
     assert predict(shape, step, FAST_CPU_SLOW_BUS, "hybrid").cpu_share > 0.99
     no_gpu = Rates(cpu_expert_gflops=100, dram_gbps=20, cpu_cores=2)
     assert plan(shape, step, no_gpu)["costs"].keys() == {"cpu"}
-    assert best_placement(shape, step, no_gpu) == "cpu"
+    assert plan(shape, step, no_gpu)["auto"] == "cpu"
 
 
 def test_auto_never_takes_what_does_not_fit(shapes):

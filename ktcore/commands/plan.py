@@ -9,6 +9,7 @@ from typing import Optional
 from ..errors import ConfigError
 from ..model.cost import Rates, Setting, plan
 
+
 def measured_rates(kt, seconds: float = 0.5) -> Rates:
     """This machine's rates, measured now with the backend ``kt_backend`` names (``ktcore doctor``'s probes)."""
     from ..plugins.select import get_backend

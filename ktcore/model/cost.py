@@ -227,11 +227,6 @@ def plan(shape: ModelShape, s: Setting, rates: Rates) -> dict:
     return {"costs": costs, "auto": auto}
 
 
-def best_placement(shape: ModelShape, s: Setting, rates: Rates) -> str:
-    """auto's choice for one step (``cpu`` when nothing fits: the error then comes from the memory it runs out of)."""
-    return plan(shape, s, rates)["auto"] or "cpu"
-
-
 def is_finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
