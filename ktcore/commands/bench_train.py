@@ -381,6 +381,9 @@ class Settings:
     kernel_seconds: float = 1.0
     expert_formats: tuple = ("bf16",)  # bf16 and/or GGUF block types of the same random model (EXPERT_FORMATS)
     loss_steps: int = 0  # the loss-curve run's steps (0: none)
+    placements: tuple = ("cpu",)  # kt_expert_placement of each ktcore run, side by side
+    stream_ring: int = 2  # kt_stream_ring of the gpu_stream and hybrid runs
+    hybrid_cpu_share: float = 0.5  # kt_hybrid_cpu_share of the hybrid runs
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
     @property
@@ -412,10 +415,10 @@ def split_of(step_s: float, spans: dict, device: torch.device) -> dict:
     }
 
 
-def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
-               backend: Optional[str] = None) -> Iterator[dict]:
-    """ktcore.load_model + PEFT, per tokens: expert LoRA off (unless not asked) then on; then the loss curve
-    (``settings.loss_steps``) at the first tokens."""
+def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16", backend: Optional[str] = None,
+               placement: str = "cpu") -> Iterator[dict]:
+    """ktcore.load_model with ``placement`` + PEFT, per tokens: expert LoRA off (unless not asked) then on; then
+    the loss curve (``settings.loss_steps``) at the first tokens."""
     from peft import get_peft_model
 
     from .. import load_model
@@ -424,34 +427,46 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
     from ..experts.timeline import attach
 
     device = settings.device
-    kt = {"kt_backend": backend or settings.backend, "kt_num_threads": settings.threads}
+    kt = {"kt_backend": backend or settings.backend, "kt_num_threads": settings.threads,
+          "kt_expert_placement": placement, "kt_stream_ring": settings.stream_ring,
+          "kt_hybrid_cpu_share": settings.hybrid_cpu_share}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
     chunk_lm_loss(base)  # as ktcore train
+    stream = base.ktcore.stream
     if settings.gradient_checkpointing:
         checkpoint_non_experts(base)
     backends = {layer.backend for layer in base.ktcore.layers.values()}
     pools = [getattr(b, "num_threads", None) for b in backends]
-    common = {"expert_format": expert_format, "backend": ",".join(sorted(b.name for b in backends)),
-              "moe_layers": len(base.ktcore.layers), "backend_threads": max((n for n in pools if n), default=None),
+    common = {"expert_format": expert_format, "placement": placement,
+              "backend": ",".join(sorted(b.name for b in backends)),
+              "moe_layers": len(set(base.ktcore.layers) | set(base.ktcore.streamed)),
+              "backend_threads": max((n for n in pools if n), default=None),
               "torch_threads": torch.get_num_threads(),
               # host memory of the packed routed experts (for a GGUF: the file's blocks, mapped)
               "expert_gib": base.ktcore.packed_bytes / GIB}
     variants = ([False] if settings.expert_lora_off else []) + [True]
     for tokens in settings.tokens:
-        kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds, settings.dtype)
+        # the backend alone on whole layers: a figure of the cpu placement (a hybrid layer's backend has a share)
+        kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds if placement == "cpu" else 0,
+                              settings.dtype)
         step_off = None
         for expert_lora in variants:
-            run = "ktcore" if expert_lora else "ktcore, no expert LoRA"
+            run = ("ktcore" if placement == "cpu" else f"ktcore {placement}") + ("" if expert_lora else
+                                                                                ", no expert LoRA")
             model = None
             try:
                 torch.manual_seed(0)
                 model = get_peft_model(base, lora_config(base, settings.rank, experts=expert_lora))
                 model.train()
                 _reset_peaks(device)
+                copied = stream.copied_bytes if stream else 0
                 with attach(base) as timeline:
                     timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True)
                 step_s = timed["step_s"]
                 split = split_of(step_s, timed["spans"], device)
+                # host-to-device expert bytes per step (gpu_stream), and the pinned-bandwidth bound they set
+                split["h2d_gb"] = ((stream.copied_bytes - copied) / (settings.warmup + settings.steps) / 1e9
+                                   if stream else 0.0)
                 if not expert_lora:
                     step_off = step_s
                 elif step_off is not None:
@@ -596,7 +611,8 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
         models = {"bf16": model_dir, **write_gguf_models(model_dir, quantised, scratch)}
         bf16_loss = None
         for fmt in settings.expert_formats:
-            for row in run_ktcore(settings, models[fmt], fmt, None if fmt == "bf16" else GGUF_BACKEND):
+            for row in (r for placement in settings.placements for r in run_ktcore(
+                    settings, models[fmt], fmt, None if fmt == "bf16" else GGUF_BACKEND, placement)):
                 if row["run"] == LOSS_RUN and row["error"] is None:
                     if fmt == "bf16":
                         bf16_loss = row["loss_last"]
@@ -615,7 +631,8 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
 
 COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), ("tok_s", "tok/s"), ("step_s", "step s"),
            ("gpu_busy_s", "gpu busy"), ("cpu_experts_s", "cpu experts"), ("expert_lora_s", "expert lora"),
-           ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"), ("cpu_idle_s", "cpu idle"),
+           ("h2d_gb", "h2d GB"), ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"),
+           ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
            ("peak_host_gib", "peak host GiB"), ("expert_gib", "expert GiB"), ("resident_gib", "resident GiB"),
