@@ -1,13 +1,15 @@
 """amx_bf16 kernel benchmarks (plain script; prints a markdown table, no timed asserts).
 
     python benchmarks/bench_amx_bf16.py [--quick] [--rounds N] [--cases memory,compute,dsv2] [--out results.md]
+        [--profile [--lora-rank R]] [--micro] [--threads N]
 
 Measures in one run: DRAM read bandwidth (AVX-512 streaming read in the extension, and torch.sum over a
 2 GiB tensor), the AMX BF16 tile-only peak, torch's bf16 matmul, then
   * memory-bound layer  E=128 K=8 H=2048 I=768  T=512   (1.2 GB of bf16 weights) vs one read of the weights
   * compute-bound layer E=8   K=2 H=2048 I=1408 T=4096  GFLOP/s vs AMX peak and vs torch bf16 matmul
   * DeepSeek-V2-Lite    E=64  K=6 H=2048 I=1408 T=1,16,512,4096 forward and forward+backward vs the torch backend
-No expert LoRA in these runs. The bandwidth is the median of three readings; every layer figure is the median of
+No expert LoRA in these runs, except in the phase profile with ``--lora-rank R``, where each layer runs without
+and then with LoRA of rank R (fp32 factors) on gate_up and down. The bandwidth is the median of three readings; every layer figure is the median of
 --rounds rounds, the two backends taking turns within a round (a shared VM drifts from minute to minute). The
 memory- and compute-bound layers are also timed paired: every call between two readings of its yardstick (a read
 of the layer's own weights; the tile-only peak), so each ratio uses a reading taken next to the call (on the shared
@@ -27,6 +29,7 @@ from typing import Callable
 import torch
 
 import ktcore
+from ktcore.commands.bench import make_expert_lora
 from ktcore.config import KTConfig
 from ktcore.experts import ExpertWeights
 from ktcore_amx_bf16 import _ext
@@ -109,10 +112,10 @@ def run_fwd(backend, packed, x, ids, w):
     return lambda: backend.forward(packed, x, ids, w, None, save=False)
 
 
-def run_fwd_bwd(backend, packed, x, ids, w, gy):
+def run_fwd_bwd(backend, packed, x, ids, w, gy, lora=None):
     def f():
-        _, ctx = backend.forward(packed, x, ids, w, None, save=True)
-        backend.backward(packed, ctx, gy, None)
+        _, ctx = backend.forward(packed, x, ids, w, lora, save=True)
+        backend.backward(packed, ctx, gy, lora)
     return f
 
 
@@ -270,6 +273,8 @@ def main():
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--skip-torch-backend", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also print per-phase times of forward+backward")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="--profile: each layer also with expert LoRA of this rank on gate_up and down (0: none)")
     ap.add_argument("--micro", action="store_true", help="also run the gemm_block micro-benchmark")
     ap.add_argument("--threads", type=int, default=0,
                     help="amx_bf16 threads (kt_num_threads; default: every CPU this process may use)")
@@ -335,17 +340,21 @@ def main():
         for (E, K, H, I, Ts) in [(64, 6, 2048, 1408, (1, 16, 512, 4096)), (8, 2, 2048, 1408, (4096,)),
                                  (128, 8, 2048, 768, (512,))]:
             packed = amx.pack(make_layer(E, H, I))
+            loras = [None] + ([make_expert_lora(E, H, I, args.lora_rank, torch.Generator().manual_seed(0))]
+                              if args.lora_rank else [])
             for T in Ts:
                 x, ids, w, gy = make_inputs(E, K, H, T)
-                f = run_fwd_bwd(amx, packed, x, ids, w, gy)
-                f()
-                bmod._Prof.times.clear()
-                t0 = time.perf_counter()
-                for _ in range(5):
+                for lora in loras:
+                    f = run_fwd_bwd(amx, packed, x, ids, w, gy, lora)
                     f()
-                tot = (time.perf_counter() - t0) / 5
-                phases = " ".join(f"{k}={v / 5 * 1e3:.2f}" for k, v in bmod._Prof.times.items())
-                out(f"- E={E} K={K} T={T}: fwd+bwd {tot * 1e3:.2f} ms | {phases}")
+                    bmod._Prof.times.clear()
+                    t0 = time.perf_counter()
+                    for _ in range(5):
+                        f()
+                    tot = (time.perf_counter() - t0) / 5
+                    phases = " ".join(f"{k}={v / 5 * 1e3:.2f}" for k, v in bmod._Prof.times.items())
+                    what = f", LoRA r={args.lora_rank}" if lora else ""
+                    out(f"- E={E} K={K} T={T}{what}: fwd+bwd {tot * 1e3:.2f} ms | {phases}")
             del packed
             gc.collect()
         bmod._Prof.on = False

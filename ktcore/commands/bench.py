@@ -61,13 +61,15 @@ def make_problem(shape: Shape, tokens: int, dtype, seed: int = 0, lora_rank: int
     x = torch.randn(tokens, h, generator=g).to(dtype)
     ids = torch.rand(tokens, e, generator=g).topk(k, dim=1).indices
     w = torch.softmax(torch.rand(tokens, k, generator=g), dim=1)
-    lora = None
-    if lora_rank:
-        r = lora_rank
-        lora = ExpertLoRA(torch.randn(e, r, h, generator=g) * h ** -0.5, torch.randn(e, 2 * i, r, generator=g) * 0.01,
-                          torch.randn(e, r, i, generator=g) * i ** -0.5, torch.randn(e, h, r, generator=g) * 0.01,
-                          gate_up_scale=2.0, down_scale=2.0)
-    return weights, x, ids, w, lora
+    return weights, x, ids, w, make_expert_lora(e, h, i, lora_rank, g) if lora_rank else None
+
+
+def make_expert_lora(experts: int, hidden: int, inter: int, rank: int, generator: torch.Generator) -> ExpertLoRA:
+    """Random expert LoRA of one layer on gate_up and down, fp32 factors as PEFT keeps them."""
+    e, h, i, r, g = experts, hidden, inter, rank, generator
+    return ExpertLoRA(torch.randn(e, r, h, generator=g) * h ** -0.5, torch.randn(e, 2 * i, r, generator=g) * 0.01,
+                      torch.randn(e, r, i, generator=g) * i ** -0.5, torch.randn(e, h, r, generator=g) * 0.01,
+                      gate_up_scale=2.0, down_scale=2.0)
 
 
 def minor_page_faults(fn) -> int:
