@@ -82,10 +82,12 @@ def test_bf16_store_loads_the_checkpoint_bit_exact_without_reading_it(bf16_model
     assert len(manifest["files"]) == 6 and manifest["model_fingerprint"] == model_fingerprint(bf16_model)
 
 
-@pytest.mark.parametrize("threadpools", [1, 2])
-def test_int8_store_is_the_dequantised_codes(tmp_path, threadpools):
-    """An int8 store gives exactly int8-sym-channel-v1's codes of the fp32 experts; loading it is the model
-    whose experts are those codes dequantised (a checkpoint written here, read the ordinary way)."""
+@pytest.mark.parametrize("threadpools, chunk_bytes", [(1, 1 << 30), (2, 2 * 3 * 20 * 44 * 4)])
+def test_int8_store_is_the_dequantised_codes(tmp_path, monkeypatch, threadpools, chunk_bytes):
+    """An int8 store gives exactly int8-sym-channel-v1's codes of the fp32 experts (whole layers at once, or two
+    experts at a time); loading it is the model whose experts are those codes dequantised (a checkpoint written
+    here, read the ordinary way)."""
+    monkeypatch.setattr("ktcore.weights.convert.QUANTIZE_CHUNK_BYTES", chunk_bytes)
     plain = tiny_model("qwen3_moe", odd=True, seed=12)
     plain.save_pretrained(tmp_path / "model")
     convert_model(tmp_path / "model", tmp_path / "int8", "int8", threadpools, progress=False)
