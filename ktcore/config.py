@@ -52,6 +52,14 @@ class KTConfig:
                                     ("persistent", "ephemeral"), default="persistent")
     kt_placement: Optional[list] = _key("per-layer rules [{match: REGEX, device: gpu} or {match: REGEX, "
                                         "backend: NAME}]; the first rule matching an experts module decides")
+    kt_expert_placement: str = _key("where routed experts are computed when no kt_placement rule matches: cpu "
+                                    "(the CPU backend), gpu_stream (host memory, streamed to the GPU per use) or "
+                                    "hybrid (split between the two); auto is planned (ktcore plan predicts it)",
+                                    ("cpu", "gpu_stream", "hybrid", "auto"), default="cpu")
+    kt_stream_ring: int = _key("gpu_stream: layers of streamed experts kept on the GPU at once (>= the MoE layers: "
+                               "backward streams nothing again)", default=2)
+    kt_hybrid_cpu_share: Optional[float] = _key("hybrid: share of each layer's experts the CPU backend computes "
+                                                "(ktcore plan's CPU share)")
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
     kt_weight_path: Optional[str] = _key("routed-expert store written by `ktcore convert MODEL --format bf16|int8`")
@@ -61,7 +69,8 @@ class KTConfig:
 
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
-                   "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement")
+                   "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement",
+                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")
 
 
@@ -277,6 +286,11 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         raise ConfigError(f"{where}: kt_config.kt_weight_lifecycle: ephemeral converts the experts of "
                           "model_name_or_path into a scratch store of its own and deletes it; it does not take "
                           "kt_weight_path (drop one of the two)")
+    if kt.kt_hybrid_cpu_share is not None and not 0 < kt.kt_hybrid_cpu_share < 1:
+        raise ConfigError(f"{where}: kt_config.kt_hybrid_cpu_share must be between 0 and 1 (exclusive), got "
+                          f"{kt.kt_hybrid_cpu_share}")
+    if kt.kt_stream_ring < 1:
+        raise ConfigError(f"{where}: kt_config.kt_stream_ring must be >= 1, got {kt.kt_stream_ring}")
     try:
         parse_rules(kt.kt_placement, where)
     except ValueError as exc:

@@ -25,7 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..experts import ExpertLayer
-from ..model.wrap import activation_name, finish, install_layer, install_resident, plan_placement, prepare
+from ..model.wrap import (HYBRID, STREAM, activation_name, finish, install_hybrid, install_layer, install_resident,
+                          install_streamed, plan_placement, prepare)
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 from .model_path import record_base
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights, take_fp8_block
@@ -99,15 +100,20 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
-        packed = target.pack_source(sources[name], act) if target is not None else None
+        packed = target.pack_source(sources[name], act) if target not in (None, STREAM, HYBRID) else None
         if packed is None:
             expert_weights = sources[name].read(dtype)
             if target is None:
                 install_resident(model, name, module, expert_weights, arch, dtype, device)
+            elif target == STREAM:
+                install_streamed(model, name, module, expert_weights, arch, dtype, device)
+            elif target == HYBRID:
+                layers[name] = install_hybrid(model, name, module, expert_weights, arch, dtype, device, backend,
+                                              budget, kt, act)
             else:
                 packed = target.pack(expert_weights, activation=act)
             del expert_weights
-        if target is not None:
+        if packed is not None:
             layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
             install_layer(model, name, module, layers[name], arch, dtype, device)
         if hasattr(sources[name], "done"):  # the layer is loaded: an ephemeral store deletes its files
