@@ -82,10 +82,12 @@ def test_bf16_store_loads_the_checkpoint_bit_exact_without_reading_it(bf16_model
     assert len(manifest["files"]) == 6 and manifest["model_fingerprint"] == model_fingerprint(bf16_model)
 
 
-@pytest.mark.parametrize("threadpools", [1, 2])
-def test_int8_store_is_the_dequantised_codes(tmp_path, threadpools):
-    """An int8 store gives exactly int8-sym-channel-v1's codes of the fp32 experts; loading it is the model
-    whose experts are those codes dequantised (a checkpoint written here, read the ordinary way)."""
+@pytest.mark.parametrize("threadpools, chunk_bytes", [(1, 1 << 30), (2, 2 * 3 * 20 * 44 * 4)])
+def test_int8_store_is_the_dequantised_codes(tmp_path, monkeypatch, threadpools, chunk_bytes):
+    """An int8 store gives exactly int8-sym-channel-v1's codes of the fp32 experts (whole layers at once, or two
+    experts at a time); loading it is the model whose experts are those codes dequantised (a checkpoint written
+    here, read the ordinary way)."""
+    monkeypatch.setattr("ktcore.weights.convert.QUANTIZE_CHUNK_BYTES", chunk_bytes)
     plain = tiny_model("qwen3_moe", odd=True, seed=12)
     plain.save_pretrained(tmp_path / "model")
     convert_model(tmp_path / "model", tmp_path / "int8", "int8", threadpools, progress=False)
@@ -347,8 +349,8 @@ def test_expert_weights_of_a_store_are_those_of_the_checkpoint(bf16_model, store
 @pytest.mark.slow
 def test_seed_int8_yaml_trains_through_trl_as_the_dequantised_checkpoint(tmp_path, shared_data):
     """examples/deepseek_v3_int8.yaml (kt_weight_path, kt_non_expert_weight_path, kt_expert_weight_format: int8)
-    with its paths pointed at a tiny chat MoE's stores, on the torch backend (the amx_int8 backend needs AMX):
-    the loss curve is the one of the same YAML on a checkpoint holding the dequantised int8 experts."""
+    with its paths pointed at a tiny chat MoE's stores: on the torch backend, the loss curve is the one of the same
+    YAML on a checkpoint holding the dequantised int8 experts; as it is (amx_int8, where it runs), within 10%."""
     pytest.importorskip("ktcore_trl", reason="the TRL frontend is not installed (pip install -e frontends/trl)")
     import yaml
     from safetensors.torch import load_file, save_file
@@ -380,21 +382,31 @@ def test_seed_int8_yaml_trains_through_trl_as_the_dequantised_checkpoint(tmp_pat
 
     seed = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "deepseek_v3_int8.yaml").read_text())
     assert seed["kt_config"]["kt_expert_weight_format"] == "int8"
+    stores = {"model_name_or_path": str(model), "kt_weight_path": str(tmp_path / "int8"),
+              "kt_non_expert_weight_path": str(tmp_path / "non_expert")}
+    torch_backend = {"kt_backend": "torch", "kt_expert_weight_format": "auto"}
+    plans = [("stores", stores, torch_backend),
+             ("truth", {"model_name_or_path": str(truth), "kt_weight_path": None, "kt_non_expert_weight_path": None},
+              torch_backend)]
+    try:  # the YAML as it is (kt_backend: auto picks amx_int8 for int8) where amx_int8 runs (AMX or AVX-512 VNNI)
+        ktcore.get_backend("amx_int8", {"kt_backend": "amx_int8", "kt_expert_weight_format": "int8"})
+        plans.append(("auto", stores, {}))
+    except Exception:
+        pass
     runs = {}
-    for label, paths in (("stores", {"model_name_or_path": str(model), "kt_weight_path": str(tmp_path / "int8"),
-                                     "kt_non_expert_weight_path": str(tmp_path / "non_expert")}),
-                         ("truth", {"model_name_or_path": str(truth), "kt_weight_path": None,
-                                    "kt_non_expert_weight_path": None})):
+    for label, paths, backend in plans:
         cfg = {**seed, **paths, "dataset_dir": str(shared_data), "output_dir": str(tmp_path / f"out-{label}"),
                "max_steps": 3, "plot_loss": False, "gradient_accumulation_steps": 2, "cutoff_len": 128,
-               "kt_config": {**seed["kt_config"], "kt_backend": "torch", "kt_expert_weight_format": "auto",
-                             "kt_num_threads": 2}}
+               "kt_config": {**seed["kt_config"], **backend, "kt_num_threads": 2}}
         (tmp_path / f"{label}.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if v is not None}))
         result = CliRunner().invoke(main, ["train", str(tmp_path / f"{label}.yaml"), "--frontend", "trl"])
         assert result.exit_code == 0, (result.output, result.exception)
         start = 0 if result.stdout.startswith("{\n") else result.stdout.rindex("\n{\n")
         runs[label] = json.JSONDecoder().raw_decode(result.stdout[start:].lstrip())[0]
     assert runs["stores"]["steps"] == 3 and (tmp_path / "out-stores" / "adapter_model.safetensors").is_file()
+    if "auto" in runs:  # int8 activations too: the curve within 10% of the dequantised-weights one
+        assert runs["auto"]["kt_backend"] == "amx_int8"
+        assert runs["auto"]["losses"] == pytest.approx(runs["truth"]["losses"], rel=0.1)
     assert runs["stores"]["losses"] == pytest.approx(runs["truth"]["losses"], rel=1e-5, abs=1e-6)
 
 
@@ -408,3 +420,21 @@ def test_convert_arguments_are_one_line_errors(bf16_model, tmp_path, args, fragm
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and fragment in lines[0], result.stderr
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_amx_int8_computes_an_int8_store_as_it_quantises_the_checkpoint(tmp_path):
+    """The int8 backend takes a store's codes as they are (``read_int8`` through ``pack_source``): the model
+    loaded from the store gives the logits of the model it quantises itself."""
+    kt = {"kt_backend": "amx_int8", "kt_expert_weight_format": "int8"}
+    try:
+        ktcore.get_backend("amx_int8", kt)
+    except Exception as exc:  # not installed, or no AVX-512 VNNI here
+        pytest.skip(f"amx_int8 is not usable here: {exc}")
+    tiny_model("qwen3_moe", odd=True, seed=14).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    convert_model(tmp_path / "model", tmp_path / "int8", "int8", threadpools=2, progress=False)
+    direct = ktcore.load_model(tmp_path / "model", kt, device="cpu", dtype=torch.float32, progress=False)
+    stored = ktcore.load_model(tmp_path / "model", {**kt, "kt_weight_path": str(tmp_path / "int8")}, device="cpu",
+                               dtype=torch.float32, progress=False)
+    assert torch.equal(logits(stored), logits(direct))
+    plain = logits(load(tmp_path / "model", torch.float32))
+    assert not torch.equal(logits(stored), plain)  # int8 experts, not the bf16 ones

@@ -82,6 +82,21 @@ def _meta_model(model_dir: Path):
     return model, arch, fp8_block
 
 
+QUANTIZE_CHUNK_BYTES = 1 << 30  # float32 weights quantised at once
+
+
+def quantized_layer(source: SafetensorsExpertSource) -> Int8Experts:
+    """A layer's experts in int8, quantised from their float32 weights a few experts at a time: host memory is
+    the int8 layer plus ``QUANTIZE_CHUNK_BYTES`` of float32, not the whole layer in float32 (45 GB for one of
+    DeepSeek-V3's). Each row's scale depends on that row alone, so chunks give the codes the whole layer gives."""
+    inter, hidden = source.shapes["gate"]
+    chunk = max(1, QUANTIZE_CHUNK_BYTES // (3 * inter * hidden * 4))
+    parts = [Int8Experts.quantize(source.read(torch.float32, range(start, min(start + chunk, source.num_experts))))
+             for start in range(0, source.num_experts, chunk)]
+    join = lambda pick: tuple(torch.cat([pick(p)[i] for p in parts]) for i in (0, 1))  # noqa: E731
+    return Int8Experts(join(lambda p: p.gate), join(lambda p: p.up), join(lambda p: p.down))
+
+
 def is_fp8(ckpt: SafetensorsCheckpoint) -> bool:
     return any(ckpt.dtype(name) in FP8_DTYPES for name in ckpt.keys())
 
@@ -110,9 +125,8 @@ def convert_experts(ckpt: SafetensorsCheckpoint, arch, modules, out, fmt: str, f
     todo = [(layer, source) for layer, _, source in sources if not all(writer.done(f) for f in files[layer])]
 
     def convert_layer(layer: int, source) -> int:
-        weights = source.read(torch.float32 if fmt == "int8" else torch.bfloat16)
-        if fmt == "int8":  # from the float32 weights (FP8 dequantised in float32), never from a bf16 rounding
-            weights = Int8Experts.quantize(weights)
+        # int8 from the float32 weights (FP8 dequantised in float32), never from a bf16 rounding of them
+        weights = quantized_layer(source) if fmt == "int8" else source.read(torch.bfloat16)
         written = 0
         for pool, (begin, end) in enumerate(ranges):
             if not writer.done(files[layer][pool]):

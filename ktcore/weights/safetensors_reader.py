@@ -249,14 +249,17 @@ class SafetensorsExpertSource:
             return [self._fused("gate_up"), self._fused("down")]
         return [self._key(part, expert) for expert in range(self.num_experts) for part in PARTS]
 
-    def read(self, dtype) -> ExpertWeights:
+    def read(self, dtype, experts: Optional[range] = None) -> ExpertWeights:
+        """The layer's experts as ``dtype`` (only ``experts``, a range of expert ids, when given)."""
+        experts = experts if experts is not None else range(self.num_experts)
         if self.layout == "fused":
-            return canonical_weights(self.module, self.ckpt.get(self._fused("gate_up")).to(dtype),
-                                     self.ckpt.get(self._fused("down")).to(dtype))
-        out = {p: torch.empty((self.num_experts, *self.shapes[p]), dtype=dtype) for p in PARTS}
-        for expert in range(self.num_experts):
+            weights = canonical_weights(self.module, self.ckpt.get(self._fused("gate_up")).to(dtype),
+                                        self.ckpt.get(self._fused("down")).to(dtype))
+            return ExpertWeights(*(t[experts.start:experts.stop] for t in (weights.gate, weights.up, weights.down)))
+        out = {p: torch.empty((len(experts), *self.shapes[p]), dtype=dtype) for p in PARTS}
+        for row, expert in enumerate(experts):
             for part in PARTS:
-                self.ckpt.read_into(self._key(part, expert), out[part][expert])
+                self.ckpt.read_into(self._key(part, expert), out[part][row])
         return ExpertWeights(out["gate"], out["up"], out["down"])
 
 
