@@ -39,7 +39,8 @@ class KTConfig:
     kt_backend: str = _key("expert backend: auto, torch, amx_bf16, amx_int8, llamafile or a plugin's name",
                            default="auto")
     kt_expert_weight_format: str = _key("weight format the backend packs experts into; auto: the backend's "
-                                        "natural one (the model's dtype for torch, bf16 for amx_bf16)",
+                                        "natural one (the model's dtype for torch, bf16 for amx_bf16, int8 for "
+                                        "amx_int8)",
                                         ("auto", "fp32", "bf16", "int8", "gguf", "f32", "f16", "q8_0", "q4_0",
                                          "q4_1", "q4_k", "q5_k", "q6_k"), default="auto")
     kt_num_threads: Optional[int] = _key("CPU threads for expert math (default: all cores)")

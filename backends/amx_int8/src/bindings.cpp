@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <stdexcept>
+#include <vector>
 
 #include "cpu.hpp"
 #include "engine.hpp"
@@ -22,17 +23,18 @@ double amx_int8_peak_gops(double seconds) {
   ktcore::ThreadPool pool(ktint8::default_threads());
   const int n = pool.num_threads();
   const int64_t iters = 1 << 16;
-  double ops = 0.0;
+  std::vector<double> ops(n, 0.0);  // per thread slot
   auto t0 = std::chrono::steady_clock::now();
   double elapsed = 0.0;
   while (elapsed < seconds) {
     pool.parallel_for(n, [&](int64_t b, int64_t e, int) {
-      for (int64_t i = b; i < e; ++i) ktint8::amx_tile_loop(iters);
+      for (int64_t i = b; i < e; ++i) ops[i] += ktint8::amx_tile_loop(iters);
     });
-    ops += n * static_cast<double>(iters) * 4.0 * 2.0 * 16 * 16 * 64;
     elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  return ops / elapsed / 1e9;
+  double total = 0.0;
+  for (double o : ops) total += o;
+  return total / elapsed / 1e9;
 }
 
 }  // namespace

@@ -98,7 +98,8 @@ void Engine::unpack_codes(uintptr_t src_, int64_t E, int64_t N, int64_t K, uintp
   for (int64_t e = 0; e < E; ++e)
     for (int64_t n = 0; n < N; ++n) {
       const int8_t* stream = src + (e * NB + n / 16) * KB * kBlockBytes;
-      for (int64_t k = 0; k < K; ++k) codes[(e * N + n) * K + k] = stream[k / kBlockK * kBlockBytes + block_offset(n, k)];
+      for (int64_t k = 0; k < K; ++k)
+        codes[(e * N + n) * K + k] = stream[k / kBlockK * kBlockBytes + block_offset(n, k)];
     }
 }
 
