@@ -4,7 +4,9 @@
 ``LiveTensors`` counts the same thing for CPU tensors: every tensor storage an op of this thread creates or reads
 is counted from then until it is garbage collected, so its peak is the peak of ``memory_allocated`` that the
 same step would show on a GPU (up to the allocator's rounding to 512-byte blocks). The routed experts' backend
-runs on other threads and is not counted: on a GPU that is host memory.
+runs on other threads and is not counted: on a GPU that is host memory. One difference remains: what the backend
+keeps of the model's tensors until backward (a layer's expert-LoRA factors, its inputs when it recomputes) is
+the model's own tensor on the CPU, counted, and a pinned host copy with a GPU.
 
 ``StepMemory`` marks a step's phases on either: resident before the step (weights, LoRA, optimizer state), the
 peak through the decoder layers, the saved activations when the layers are done, the peak of the loss, of the
@@ -110,7 +112,7 @@ def memory_meter(device: torch.device):
 
 
 class StepMemory:
-    """The peaks of one training step's phases, in bytes (the largest over the steps it sees).
+    """The peaks of one training step's phases, in bytes.
 
     ``layers_done`` is called by a forward hook on the decoder stack (``watch``): what the forward holds then,
     less what was resident before the step, is the activations the layers saved for backward; the forward's
