@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -11,23 +12,25 @@ from ..config import TrainConfig, resolve_model_path
 from ..weights.model_path import load_plain_model, load_tokenizer
 
 
-def check_inputs(cfg: TrainConfig, path: Path) -> None:
+def check_inputs(cfg: TrainConfig, path: Path):
     """Everything chat reads, checked from headers before a weight is read: a GGUF model's header and tensor
     extents (a partial file is one line), the expert backend, the adapter (``ktcore adapter verify`` against the
-    model)."""
+    model). Returns the GGUF file, opened (its header parsed once, for the tokenizer and the model too), or
+    None for a model directory."""
     from ..frontends.skeleton import check_backend
 
     if cfg.use_kt:
         check_backend(cfg, training=False)
+    gguf = None
     if path.is_file():
         from ..weights.gguf_reader import GGUFFile
 
-        with GGUFFile(path):
-            pass
+        gguf = GGUFFile(path)
     if cfg.adapter_name_or_path:
         from ..adapters import verify
 
         verify(cfg.adapter_name_or_path, base=path)
+    return gguf
 
 
 def _stage(text: str, started: float) -> None:
@@ -42,6 +45,7 @@ def load_for_chat(cfg: TrainConfig):
     started = time.perf_counter()
     import torch
 
+    from ..weights.gguf_reader import gguf_config
     from ..weights.loading import load_model
 
     if cfg.adapter_name_or_path:  # a Hub ID is refused first, as in `ktcore train` (before any model is read)
@@ -49,14 +53,15 @@ def load_for_chat(cfg: TrainConfig):
 
         local_adapter_path(cfg.adapter_name_or_path)
     path = resolve_model_path(cfg)
-    check_inputs(cfg, path)  # bad input: one line, before any stage line
-    _stage(f"loading the tokenizer of {path}", started)
-    tokenizer = load_tokenizer(path)
-    _stage("loading the model" + (" (routed experts into the CPU backend)" if cfg.use_kt else ""), started)
-    if cfg.use_kt:
-        model = load_model(path, cfg.kt, need_backward=False, progress=False)
-    else:
-        model = load_plain_model(path).to("cuda" if torch.cuda.is_available() else "cpu")
+    gguf = check_inputs(cfg, path)  # bad input: one line, before any stage line
+    with gguf or nullcontext():
+        _stage(f"loading the tokenizer of {path}", started)
+        tokenizer = load_tokenizer(path, config=gguf_config(gguf) if gguf else None)
+        _stage("loading the model" + (" (routed experts into the CPU backend)" if cfg.use_kt else ""), started)
+        if cfg.use_kt:
+            model = load_model(path, cfg.kt, need_backward=False, progress=False, gguf=gguf)
+        else:
+            model = load_plain_model(path).to("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.adapter_name_or_path:  # any installed adapter format, sniffed and validated
         from ..adapters import load_adapter_into
 
