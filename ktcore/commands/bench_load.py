@@ -3,9 +3,10 @@
 Each round is a fresh Python process (``python -m ktcore.commands.bench_load``), so the imports count and nothing
 stays cached in memory, as for a user's ``ktcore chat``; the figures are medians over the rounds with their
 spread, in wall seconds and in the process's CPU seconds (the steadier figure on a shared host: the load is
-mostly one thread). For a ``.gguf`` model each round then also loads the same file's tokenizer with transformers' own
-``AutoTokenizer``, the way ktcore did before it built the tokenizer from its own parse of the header, so the
-tokenizer stage is compared with it in the same process. Nothing here asserts a time.
+mostly one thread). For a ``.gguf`` model each round then also loads the same file's tokenizer with transformers'
+``AutoTokenizer``, as ktcore did before it picked the tokenizer class from its own parse of the header (to pick
+it, AutoTokenizer parses the whole file again), so the tokenizer stage is compared with it in the same process.
+Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 STAGES = {  # key -> what the figure covers
     "imports": "import torch and transformers",
     "checks": "config, model path and backend checks; a GGUF file's header parsed once",
-    "tokenizer": "the tokenizer (a GGUF file's: from the header ktcore parsed)",
+    "tokenizer": "the tokenizer (a GGUF file's: its class from ktcore's config of the header)",
     "model": "the model, routed experts (or MLPs) packed into the CPU backend",
     "adapter": "the adapter named by adapter_name_or_path",
     "total": "all of the above: what ktcore chat takes before its first token",

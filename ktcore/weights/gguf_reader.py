@@ -62,7 +62,8 @@ def _plain_reader_class(gguf):
             if raw_type != value_type.ARRAY or self.byte_order != "I":
                 return super()._get_field_parts(orig_offs, raw_type)
             data = self._plain_data
-            item_type, count = data[orig_offs:orig_offs + 4].view(np.uint32), data[orig_offs + 4:orig_offs + 12].view(np.uint64)
+            item_type = data[orig_offs:orig_offs + 4].view(np.uint32)
+            count = data[orig_offs + 4:orig_offs + 12].view(np.uint64)
             item, n = value_type(int(item_type[0])), int(count[0])
             parts, offs = [item_type, count], orig_offs + 12
             if item == value_type.STRING:  # per string: its uint64 length, then its bytes (the data part)
@@ -73,8 +74,8 @@ def _plain_reader_class(gguf):
                     offs += 8 + length
                 indices = list(range(3, 2 + 2 * n, 2))
             elif item in self.gguf_scalar_to_np:  # per number: a one-element array
-                values = data[offs:].view(np.uint8)[:n * np.dtype(self.gguf_scalar_to_np[item]).itemsize]
-                values = values.view(self.gguf_scalar_to_np[item])
+                number = np.dtype(self.gguf_scalar_to_np[item])
+                values = data[offs:offs + n * number.itemsize].view(number)
                 parts += [values[i:i + 1] for i in range(n)]
                 offs += values.nbytes
                 indices = list(range(2, 2 + n))
