@@ -47,19 +47,30 @@ class KTConfig:
     kt_threadpool_count: int = _key("number of thread pools when kt_tp_enabled", default=1)
     kt_max_cache_depth: int = _key("MoE layers whose activations are kept for backward at once; "
                                    "layers beyond it recompute", default=64)
-    kt_weight_lifecycle: str = _key("keep packed experts resident, or drop them after use",
+    kt_weight_lifecycle: str = _key("persistent: read experts from the checkpoint or kt_weight_path; ephemeral: "
+                                    "convert them into a scratch store deleted layer by layer as they load",
                                     ("persistent", "ephemeral"), default="persistent")
     kt_placement: Optional[list] = _key("per-layer rules [{match: REGEX, device: gpu} or {match: REGEX, "
                                         "backend: NAME}]; the first rule matching an experts module decides")
+    kt_expert_placement: str = _key("where routed experts are computed when no kt_placement rule matches: cpu "
+                                    "(the CPU backend), gpu_stream (host memory, streamed to the GPU per use) or "
+                                    "hybrid (split between the two); auto is planned (ktcore plan predicts it)",
+                                    ("cpu", "gpu_stream", "hybrid", "auto"), default="cpu")
+    kt_stream_ring: int = _key("gpu_stream: layers of streamed experts kept on the GPU at once (>= the MoE layers: "
+                               "backward streams nothing again)", default=2)
+    kt_hybrid_cpu_share: Optional[float] = _key("hybrid: share of each layer's experts the CPU backend computes "
+                                                "(ktcore plan's CPU share)")
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
-    kt_weight_path: Optional[str] = _key("packed routed-expert store written by `ktcore convert`")
-    kt_non_expert_weight_path: Optional[str] = _key("optional bf16 cache of the non-expert weights")
+    kt_weight_path: Optional[str] = _key("routed-expert store written by `ktcore convert MODEL --format bf16|int8`")
+    kt_non_expert_weight_path: Optional[str] = _key("bf16 non-expert store written by `ktcore convert MODEL "
+                                                    "--non-expert`")
 
 
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
-                   "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement")
+                   "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement",
+                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")
 
 
@@ -129,8 +140,9 @@ class TrainConfig:
     kt_config: KTConfig = _key("the kt_config section (see its keys)", default_factory=KTConfig)
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
-    kt_weight_path: Optional[str] = _key("packed routed-expert store written by `ktcore convert`")
-    kt_non_expert_weight_path: Optional[str] = _key("optional bf16 cache of the non-expert weights")
+    kt_weight_path: Optional[str] = _key("routed-expert store written by `ktcore convert MODEL --format bf16|int8`")
+    kt_non_expert_weight_path: Optional[str] = _key("bf16 non-expert store written by `ktcore convert MODEL "
+                                                    "--non-expert`")
     # where the YAML came from (not a key)
     source: Optional[str] = field(default=None, metadata={"internal": True})
     # LLaMA-Factory's keys that ktcore has none of its own for (ktcore.llamafactory_keys), as the YAML gave them:
@@ -270,13 +282,15 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         raise ConfigError(f"{where}: kt_config.kt_num_threads must be > 0, got {kt.kt_num_threads}")
     if kt.kt_threadpool_count <= 0 or kt.kt_max_cache_depth < 0:
         raise ConfigError(f"{where}: kt_config.kt_threadpool_count must be > 0 and kt_max_cache_depth >= 0")
-    for name, value in (("kt_weight_path", cfg.kt_weight_path),
-                        ("kt_non_expert_weight_path", cfg.kt_non_expert_weight_path)):
-        if value is not None:
-            raise ConfigError(f"{where}: {name}: packed weight stores (`ktcore convert`) are not implemented yet; "
-                              "remove the key, the experts are read from model_name_or_path")
-    if kt.kt_weight_lifecycle != "persistent":
-        raise ConfigError(f"{where}: kt_config.kt_weight_lifecycle: only 'persistent' is implemented so far")
+    if kt.kt_weight_lifecycle == "ephemeral" and cfg.kt_weight_path is not None:
+        raise ConfigError(f"{where}: kt_config.kt_weight_lifecycle: ephemeral converts the experts of "
+                          "model_name_or_path into a scratch store of its own and deletes it; it does not take "
+                          "kt_weight_path (drop one of the two)")
+    if kt.kt_hybrid_cpu_share is not None and not 0 < kt.kt_hybrid_cpu_share < 1:
+        raise ConfigError(f"{where}: kt_config.kt_hybrid_cpu_share must be between 0 and 1 (exclusive), got "
+                          f"{kt.kt_hybrid_cpu_share}")
+    if kt.kt_stream_ring < 1:
+        raise ConfigError(f"{where}: kt_config.kt_stream_ring must be >= 1, got {kt.kt_stream_ring}")
     try:
         parse_rules(kt.kt_placement, where)
     except ValueError as exc:

@@ -38,6 +38,9 @@ class ExpertBackendSpec:
     supports_backward: bool = True
     supports_lora: bool = True
     priority: int = 0  # higher wins among usable backends
+    # quantises the experts (amx_int8): `auto` chooses it only where kt_expert_weight_format names one of its
+    # weight_formats, never for format `auto` (a lossy format is the user's choice); naming it in kt_backend does
+    lossy: bool = False
     probe: Optional[Callable[[], Optional[str]]] = None  # cheap check: None if usable, else the reason
     description: str = ""
     # "module:function" (seconds) -> dict of report fields: what this backend measures for `ktcore doctor`
@@ -90,6 +93,10 @@ class ArchSpec:
     # "module:function" taking a ktcore.weights.gguf_reader.GGUFFile and returning the transformers config, or
     # None when the file is another family written under the same gguf_architecture (llama: Llama or Mixtral)
     gguf_config: str = ""
+    # the inverse: "module:function" taking a gguf.GGUFWriter and the transformers config and writing the
+    # family's {arch}.* metadata keys, so that gguf_config reads the same config back ("" = ktcore writes no GGUF
+    # of this family; `ktcore bench train --expert-format` needs it)
+    gguf_metadata: str = ""
     # one layer's routed experts (or, with dense_mlp, its MLP) in the file, {"gate", "up", "down"} with {layer}
     gguf_expert_keys: dict = field(default_factory=lambda: dict(GGUF_EXPERT_KEYS))
     # (regex over a model tensor name, replacement) for the tensors gguf's own name map lacks for the family

@@ -4,7 +4,7 @@
 # native backend on every run.
 
 # The plugin packages that do not link torch (native backends, adapter formats): every environment gets them.
-TORCH_FREE_PLUGINS=(backends/amx_bf16 backends/llamafile adapters/peft adapters/fused_expert adapters/gguf)
+TORCH_FREE_PLUGINS=(backends/amx_bf16 backends/amx_int8 backends/llamafile adapters/peft adapters/fused_expert adapters/gguf)
 
 sources_hash() {  # the files of the given paths, build outputs and tests aside
     find "$@" -type f ! -path '*/build/*' ! -path '*/tests/*' ! -path '*/__pycache__/*' ! -path '*.egg-info/*' \

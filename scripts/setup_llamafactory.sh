@@ -86,7 +86,7 @@ quiet_pip plugin_packages
 DISABLE_VERSION_CHECK=1 "$VENV/bin/python" - <<'EOF'
 import torch, torchaudio, transformers, peft, trl, datasets, accelerate
 import llamafactory.train.tuner  # imports the data package (torchaudio) and every trainer
-import ktcore, ktcore_llamafactory, ktcore_amx_bf16, ktcore_llamafile._ext, ktcore_adapter_peft, ktcore_adapter_gguf
+import ktcore, ktcore_llamafactory, ktcore_amx_bf16, ktcore_amx_int8._ext, ktcore_llamafile._ext, ktcore_adapter_peft, ktcore_adapter_gguf
 import pathlib, sys  # frontends/llamafactory's llamafactory-cli wrapper, installed over llamafactory's own
 assert "ktcore_llamafactory.cli" in (pathlib.Path(sys.executable).parent / "llamafactory-cli").read_text(), \
     "llamafactory-cli is not ktcore's wrapper (frontends/llamafactory must be installed after llamafactory)"

@@ -11,7 +11,7 @@ if [ -d .venv-llamafactory ] || [ "${KTCORE_LLAMAFACTORY:-0}" = 1 ]; then
 fi
 export KTCORE_STRICT_PLUGINS=${KTCORE_STRICT_PLUGINS:-1}
 paths=(tests)
-for pkg in frontends/trl backends/amx_bf16 backends/llamafile; do
+for pkg in frontends/trl backends/amx_bf16 backends/amx_int8 backends/llamafile; do
     [ -d "$pkg/tests" ] && paths+=("$pkg/tests")
 done
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "${paths[@]}" "$@"

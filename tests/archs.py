@@ -94,3 +94,43 @@ def tiny_model(family: str, odd: bool = False, seed: int = 0, **config):
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0, 0.1)
     return model
+
+
+def _fp8_blocks(weight, block=128):
+    out_dim, in_dim = weight.shape
+    rows, cols = -(-out_dim // block), -(-in_dim // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:out_dim, :in_dim] = weight
+    tiles = padded.view(rows, block, cols, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (tiles / scale[:, None, :, None]).view(rows * block, cols * block)[:out_dim, :in_dim]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def save_fp8_checkpoint(model, path) -> dict:
+    """Save ``model`` into ``path`` as DeepSeek-V3 ships: every projection weight float8_e4m3fn with 128x128
+    block scales (``<name>_scale_inv``), ``quantization_config`` in config.json. Returns the dequantised
+    state dict (float32): the weights a correct reader gives."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    model.save_pretrained(path)
+    state = load_file(path / "model.safetensors")
+    quantised = {}
+    for name, value in state.items():
+        if name.endswith("proj.weight") and "layernorm" not in name and value.dim() == 2:
+            q, scale = _fp8_blocks(value)
+            quantised[name], quantised[name + "_scale_inv"] = q, scale
+            state[name] = (q.float() * scale.repeat_interleave(128, 0)[: value.shape[0]]
+                           .repeat_interleave(128, 1)[:, : value.shape[1]])
+        else:
+            quantised[name] = value
+    save_file(quantised, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                  "activation_scheme": "dynamic"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return state

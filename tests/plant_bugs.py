@@ -43,6 +43,12 @@ PLANTS = [
             "a, b = _native(a.detach()).bfloat16(), _native(b.detach()).bfloat16()"),),
           ("tests/test_expert_lora.py", "backends/llamafile/tests/test_contract.py", "-k",
            "lora or Q8_0 or Q4_K")),
+    Plant("a weight-store file used without checking its SHA-256",
+          (('if hashlib.sha256(buf.numpy()).hexdigest() != self.manifest["files"][name]["sha256"]:', "if False:"),),
+          ("tests/test_weight_store.py", "-k", "broken_expert_store")),
+    Plant("an int8 store written with gate's scales for up",
+          (('"up.scales": us[:, start:end]', '"up.scales": gs[:, start:end]'),),
+          ("tests/test_weight_store.py", "-k", "int8_store")),
 ]
 
 

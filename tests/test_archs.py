@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from archs import FAMILIES, MOE_LAYERS, tiny_model
+from archs import FAMILIES, MOE_LAYERS, save_fp8_checkpoint, tiny_model
 from peft import LoraConfig, get_peft_model
 
 import ktcore
@@ -112,40 +112,12 @@ def test_fused_layout_on_disk(tmp_path):
     assert_equivalent(plain, ours, seed=3)
 
 
-def _fp8_blocks(weight, block=128):
-    out_dim, in_dim = weight.shape
-    rows, cols = -(-out_dim // block), -(-in_dim // block)
-    padded = torch.zeros(rows * block, cols * block)
-    padded[:out_dim, :in_dim] = weight
-    tiles = padded.view(rows, block, cols, block)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (tiles / scale[:, None, :, None]).view(rows * block, cols * block)[:out_dim, :in_dim]
-    return q.to(torch.float8_e4m3fn), scale
-
-
 def test_deepseek_v3_fp8_checkpoint_is_dequantised_while_streaming(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    plain = tiny_model("deepseek_v3", seed=4)
-    plain.save_pretrained(tmp_path / "model")
-    path = tmp_path / "model" / "model.safetensors"
-    state = load_file(path)
-    quantised = {}
-    for name, value in state.items():
-        if name.endswith("proj.weight") and "layernorm" not in name and value.dim() == 2:
-            q, scale = _fp8_blocks(value)
-            quantised[name], quantised[name + "_scale_inv"] = q, scale
-            state[name] = (q.float() * scale.repeat_interleave(128, 0)[: value.shape[0]]
-                           .repeat_interleave(128, 1)[:, : value.shape[1]])  # what the model should hold
-        else:
-            quantised[name] = value
-    save_file(quantised, path, metadata={"format": "pt"})
-    cfg = json.loads((tmp_path / "model" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                                  "activation_scheme": "dynamic"}
-    (tmp_path / "model" / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    plain = tiny_model("deepseek_v3", seed=4)
+    state = save_fp8_checkpoint(plain, tmp_path / "model")
     plain.save_pretrained(tmp_path / "truth")
     save_file(state, tmp_path / "truth" / "model.safetensors", metadata={"format": "pt"})
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "truth", dtype=torch.float32)  # dequantised truth

@@ -12,7 +12,8 @@ import ktcore
 from ktcore.commands.bench_train import SHAPES, make_config, write_random_model
 from ktcore.commands.cli import main
 
-SPLIT = ("gpu_busy_s", "cpu_experts_s", "expert_lora_s", "copies_s", "lora_copies_s", "cpu_idle_s", "gpu_idle_s")
+SPLIT = ("gpu_busy_s", "cpu_experts_s", "expert_lora_s", "h2d_gb", "copies_s", "lora_copies_s", "pin_s",
+         "cpu_idle_s", "gpu_idle_s")
 
 
 def bench(*args):
@@ -39,11 +40,33 @@ def test_every_run_reports_its_speed_split_memory_and_kernel_time(tmp_path):
         assert split["cpu_experts_s"] > 0 and split["gpu_busy_s"] > 0 and split["copies_s"] >= 0
         assert split["cpu_idle_s"] == pytest.approx(row["step_s"] - split["cpu_experts_s"])
         assert (split["expert_lora_s"] is None) == (not row["expert_lora"])
+        memory = row["memory"]  # counted on the CPU (LiveTensors): weights, LoRA and AdamW state are resident
+        assert memory["resident_gib"] == pytest.approx(
+            memory["weights_gib"] + memory["trainable_gib"] + memory["optimizer_state_gib"], rel=0.05)
+        assert memory["optimizer_state_gib"] == pytest.approx(2 * memory["trainable_gib"], rel=0.01)  # + step counts
+        assert 0 < memory["activations_gib"] < memory["layers_peak_gib"] - memory["resident_gib"]
+        assert memory["step_peak_gib"] == max(memory[f"{p}_peak_gib"] for p in ("layers", "loss", "backward",
+                                                                                "optimizer"))
+        assert memory["peak_phase"] in ("layers", "loss", "backward", "optimizer")
     assert rows[1]["split"]["expert_lora_s"] == pytest.approx(rows[1]["step_s"] - rows[0]["step_s"])
     for row in rows[4:6]:
         assert row["error"] is None and row["tok_s"] > 0 and row["expert_lora"] is True
     assert rows[6]["error"] == "needs a GPU"
     assert list(tmp_path.iterdir()) == []  # the scratch model is gone
+
+
+def test_placements_side_by_side(tmp_path):
+    """--placement cpu,gpu_stream,hybrid: one run of each on the same model, the streamed one with no CPU-backend
+    time (on the CPU nothing is copied: the host copy is the device copy)."""
+    rows = bench("--tokens", "16", "--kernel-seconds", "0", "--no-expert-lora-off", "--placement",
+                 "cpu,gpu_stream,hybrid", "--workdir", str(tmp_path))
+    assert [(r["run"], r["placement"]) for r in rows] == [("ktcore", "cpu"), ("ktcore gpu_stream", "gpu_stream"),
+                                                          ("ktcore hybrid", "hybrid")]
+    for row in rows:
+        assert row["error"] is None and row["tok_s"] > 0 and row["moe_layers"] == 2
+        assert row["split"]["h2d_gb"] == 0
+    assert rows[0]["split"]["cpu_experts_s"] > 0 and rows[1]["split"]["cpu_experts_s"] == 0
+    assert rows[2]["split"]["cpu_experts_s"] > 0  # the CPU's share
 
 
 def test_kept_model_is_timed_again_with_attention_only_checkpointing(tmp_path):

@@ -42,6 +42,8 @@ def ktcore_register_expert_backends():
                           weight_formats=("bf16",), priority=100),
         ExpertBackendSpec(name="amx_q8", factory=impl, required_cpu_features=("amx_tile", "amx_int8"),
                           weight_formats=("int8",), priority=110),
+        ExpertBackendSpec(name="amx_lossy", factory=impl, required_cpu_features=("amx_tile", "amx_int8"),
+                          weight_formats=("int8",), lossy=True, priority=105),
         ExpertBackendSpec(name="avx512", factory=impl, required_cpu_features=("avx512f", "avx512_bf16"),
                           weight_formats=("bf16", "fp32"), priority=50),
         ExpertBackendSpec(name="infer_only", factory=impl, required_cpu_features=("avx2",),
@@ -52,7 +54,7 @@ def ktcore_register_expert_backends():
     ]
 """
 
-ALL = {"amx_fast", "amx_q8", "avx512", "infer_only", "no_lora", "probed", "probe_raises", "torch"}
+ALL = {"amx_fast", "amx_q8", "amx_lossy", "avx512", "infer_only", "no_lora", "probed", "probe_raises", "torch"}
 
 
 @pytest.fixture
@@ -99,6 +101,21 @@ def test_auto_with_amx_int8_weights(backends):
     choice = resolve_backend("auto", weight_format="int8", need_backward=True, cpu=cpu(AMX))
     assert choice.spec.name == "amx_q8"
     assert choice.reasons["amx_fast"] == "weight format 'int8' not supported (has bf16)"
+
+
+def test_lossy_backend_only_where_its_format_is_asked_for(backends):
+    """A backend that quantises (amx_int8) is never what `auto` picks for weight format auto, however high its
+    priority; for its own format it is, and naming it asks for it."""
+    choice = resolve_backend("auto", need_backward=True, cpu=cpu(AMX))
+    assert choice.spec.name == "amx_q8"
+    assert choice.reasons["amx_lossy"] == ("quantises the experts (int8): chosen only when kt_expert_weight_format "
+                                           "names its format, not for 'auto'")
+    int8 = resolve_backend("auto", weight_format="int8", need_backward=True, cpu=cpu(AMX))
+    assert int8.reasons["amx_lossy"] == "usable, but amx_q8 has higher priority (110 > 105)"
+    named = resolve_backend("amx_lossy", need_backward=True, cpu=cpu(AMX))
+    assert named.spec.name == "amx_lossy" and named.reasons["amx_lossy"] is None
+    assert resolve_backend("auto", weight_format="int8", cpu=cpu(AVX512)).reasons["amx_lossy"] == \
+        "CPU lacks amx_tile, amx_int8"
 
 
 def test_auto_without_amx_falls_back_to_avx512(backends):
@@ -198,6 +215,17 @@ def test_list_backends_explain_with_amx(backends, monkeypatch):
     assert row(out, "probed").endswith("libvendor.so not found")
     assert row(out, "probe_raises").endswith("probe failed: RuntimeError: boom")
     assert "amx_tile,amx_bf16" in row(out, "amx_fast")
+
+
+def test_list_backends_for_a_weight_format(backends, monkeypatch):
+    out = explain(monkeypatch, AMX, "--explain", "--weight-format", "int8")
+    assert row(out, "amx_q8").startswith("* amx_q8")
+    assert row(out, "amx_lossy").endswith("usable, but amx_q8 has higher priority (110 > 105)")
+    assert row(out, "amx_fast").endswith("weight format 'int8' not supported (has bf16)")
+    assert row(explain(monkeypatch, AMX, "--explain"), "amx_lossy").endswith("not for 'auto'")
+    monkeypatch.setenv("KTCORE_CPU_FLAGS", AMX)
+    result = CliRunner().invoke(main, ["list-backends", "--weight-format", "int4"])
+    assert result.exit_code == 2 and "'int4' is not one of auto, fp32, bf16, int8" in result.output
 
 
 def test_list_backends_explain_without_amx(backends, monkeypatch):

@@ -128,7 +128,7 @@ def run(scenarios, backends: dict, dtype: str, seconds: float, backward: bool, t
         for t in tokens or shape.tokens:
             weights, x, ids, w, lora = make_problem(shape, t, DTYPES[dtype], lora_rank=lora_rank)
             touched = int(torch.unique(ids).numel())
-            nbytes = touched * 3 * shape.hidden * shape.inter * weights.gate.element_size()
+            dense_bytes = touched * 3 * shape.hidden * shape.inter * weights.gate.element_size()
             flops = 2.0 * 3 * shape.hidden * shape.inter * t * shape.top_k
             timed = {name: _Timed(backend, weights, x, ids, w, backward, lora) for name, backend in backends.items()}
             for _ in range(rounds):
@@ -137,6 +137,9 @@ def run(scenarios, backends: dict, dtype: str, seconds: float, backward: bool, t
             base_fwd = statistics.median(timed[baseline].fwd_s)
             base_fwd_bwd = statistics.median(timed[baseline].fwd_bwd_s) if backward else None
             for name, one in timed.items():
+                # the bytes this backend's packed experts take (int8: about half of bf16), where it says
+                packed_bytes = getattr(one.packed, "nbytes", None)
+                nbytes = touched * packed_bytes / shape.experts if packed_bytes else dense_bytes
                 fwd = statistics.median(one.fwd_s)
                 fwd_bwd = statistics.median(one.fwd_bwd_s) if backward else None
                 rows.append({
@@ -162,7 +165,7 @@ LEGEND = {
     "fwd_ms": "forward (no activations saved): median over the rounds of each round's median call, ms",
     "fwd_spread_pct": "(slowest - fastest round) / median of the forward, %",
     "fwd_gflops": "GFLOP/s of the frozen projections in the forward (2 x 3 x H x I per routed token, LoRA aside)",
-    "fwd_gbps": "GB/s of the expert weights the routing touches, read once per forward",
+    "fwd_gbps": "GB/s of the expert weights the routing touches, read once per forward, as this backend packs them",
     "fwd_read_time_ratio": "forward time / the time one read of those weights takes at the measured DRAM rate",
     "fwd_pct_peak": "fwd_gflops as % of the bf16 peak in the heading (bf16 only)",
     "fwd_bwd_ms": "forward saving activations + backward (input, routing-weight and expert-LoRA gradients), ms",

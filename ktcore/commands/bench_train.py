@@ -48,7 +48,7 @@ SHAPES = {
              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1,
              topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=163840,
              rms_norm_eps=1e-6, tie_word_embeddings=False),
-        dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        dict(vocab_size=512, hidden_size=256, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
              num_experts_per_tok=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
     "qwen3-30b-a3b": ModelShape(
@@ -142,6 +142,34 @@ def write_random_model(config, out, seed: int = 0) -> Path:
     return out
 
 
+EXPERT_FORMATS = ("bf16", "q8_0", "q4_k")  # bf16: the safetensors model on --backend; the rest: GGUF on GGUF_BACKEND
+GGUF_BACKEND = "llamafile"  # computes with the file's blocks as they are
+
+
+def write_gguf_models(model_dir: Path, formats, out_dir: Path) -> dict:
+    """format -> a GGUF file of the model in ``model_dir`` whose routed experts are ``format`` blocks: the model
+    written as a BF16 GGUF (``ktcore.weights.gguf_writer``), then its experts re-quantised by GGUF_BACKEND's
+    converter (what ``ktcore convert`` runs; Q4_K rows of a length that is no multiple of 256, as DeepSeek-V2-Lite's
+    down projection, fall back to Q8_0). Both stream one tensor at a time; the BF16 GGUF is removed at the end."""
+    from ..errors import PluginError
+    from ..plugins import get_registry
+    from ..specs import import_object
+    from ..weights.gguf_writer import write_gguf
+
+    if not formats:
+        return {}
+    spec = get_registry().specs("expert_backend").get(GGUF_BACKEND)
+    if spec is None or not spec.converter:
+        raise PluginError(f"--expert-format {','.join(formats)} needs the {GGUF_BACKEND} backend's converter; "
+                          f"install backends/{GGUF_BACKEND} (bash scripts/setup.sh)")
+    convert = import_object(spec.converter)
+    bf16 = write_gguf(model_dir, out_dir / "model.gguf")
+    try:
+        return {fmt: Path(convert(bf16, out_dir, fmt)["output"]) for fmt in formats}
+    finally:
+        bf16.unlink()
+
+
 def _weight_map(out: Path) -> dict:
     """save_pretrained's tensor -> file map; a single model.safetensors becomes a shard (transformers would read
     that file alone and never the index)."""
@@ -203,9 +231,10 @@ def lora_config(model, rank: int, experts: bool = True):
     return lora_config_for(model, arch, TrainConfig(lora_rank=rank, lora_target=target))
 
 
-def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None) -> dict:
+def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None,
+                memory: bool = False) -> dict:
     """Time ``steps`` SFT steps of one ``tokens``-long sequence (after ``warmup``): mean step seconds and, with a
-    timeline, its mean spans per step."""
+    timeline, its mean spans per step; with ``memory``, one more step measured by phase (``memory_of_step``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator().manual_seed(tokens)
@@ -225,11 +254,76 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
             times.append(time.perf_counter() - start)
             if timeline is not None:
                 spans.append(timeline.resolve())
-    del optimizer
-    out = {"step_s": statistics.mean(times)}
+    out = {"step_s": statistics.mean(times), **_peaks(device)}  # before the memory step resets the GPU's peak
     if spans:
         out["spans"] = {k: statistics.mean(s[k] for s in spans) for k in spans[0]}
+    if memory:
+        out["memory"] = memory_of_step(model, optimizer, torch.randint(0, vocab, (1, tokens), generator=g).to(device))
+    del optimizer
     return out
+
+
+def memory_of_step(model, optimizer, ids: torch.Tensor) -> dict:
+    """One more training step, measured by phase (``ktcore.model.memory``): GiB resident before it (and of
+    that: weights, trainable parameters, optimizer state), the peak through the decoder layers, the activations
+    they saved, and the peaks of the loss, the backward and the optimizer step. Without a GPU the same step's
+    CPU tensors are counted (``LiveTensors``), so the phases read as they would on the GPU."""
+    from ..model.memory import StepMemory, memory_meter, resident_parts
+
+    device = ids.device
+    gc.collect()
+    meter = memory_meter(device)
+    phases = StepMemory(meter)
+    hook = phases.watch(model)
+    try:
+        with meter.tracking():
+            if hasattr(meter, "count"):
+                meter.count([*model.parameters(), *model.buffers(),
+                             *(v for s in optimizer.state.values() for v in s.values())])
+            phases.step_starts()
+            loss = model(input_ids=ids, labels=ids).loss
+            phases.forward_done()
+            loss.backward()
+            del loss
+            phases.backward_done()
+            optimizer.step()
+            phases.optimizer_done()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        hook.remove()
+    return {**resident_parts(model, optimizer, device), **phases.report()}
+
+
+LOSS_RUN = "loss curve"
+# AdamW. On the CPU, LoRA on a random DeepSeek-V2-Lite-width base (2 layers, 4,096-token vocabulary, 128 tokens a
+# step) took the task without its coin (floor 0) from 8.6 to 0.2-0.3 by step 40-50; 10x this lr was unstable at the
+# tiny shape, 3x still fell
+LOSS_LR = 1e-3
+
+
+def task_ids(vocab: int, tokens: int, step: int, alphabet: int = 64) -> torch.Tensor:
+    """One sequence of a task whose loss falls to a floor above zero: a fixed random order of ``alphabet`` token
+    ids, walked one or two places ahead at each token by a fair coin (so each token has two equally likely
+    successors: the best loss is ln 2 = 0.69, and relative differences between runs stay meaningful at the end);
+    step ``step``'s sequence is the same for every run."""
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1234))[:alphabet]
+    strides = 1 + torch.randint(0, 2, (tokens,), generator=torch.Generator().manual_seed(step))
+    return order[(step * 7 + torch.cumsum(strides, 0)) % alphabet].unsqueeze(0)
+
+
+def loss_curve(model, tokens: int, steps: int, device: torch.device) -> list:
+    """The training loss of each of ``steps`` SFT steps on ``task_ids`` (LOSS_LR)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LOSS_LR)
+    vocab = model.config.get_text_config().vocab_size
+    losses = []
+    for step in range(steps):
+        ids = task_ids(vocab, tokens, step).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
 
 
 def kernel_time(model, tokens: int, rank: int, seconds: float, dtype=torch.bfloat16) -> dict:
@@ -285,6 +379,11 @@ class Settings:
     expert_lora_off: bool = True
     baseline: bool = False
     kernel_seconds: float = 1.0
+    expert_formats: tuple = ("bf16",)  # bf16 and/or GGUF block types of the same random model (EXPERT_FORMATS)
+    loss_steps: int = 0  # the loss-curve run's steps (0: none)
+    placements: tuple = ("cpu",)  # kt_expert_placement of each ktcore run, side by side
+    stream_ring: int = 2  # kt_stream_ring of the gpu_stream and hybrid runs
+    hybrid_cpu_share: float = 0.5  # kt_hybrid_cpu_share of the hybrid runs
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
     @property
@@ -310,44 +409,64 @@ def split_of(step_s: float, spans: dict, device: torch.device) -> dict:
         "expert_lora_s": None,  # step time with expert LoRA minus without (filled in by the run with it)
         "copies_s": spans["gpu_copy_s"] + spans["gpu_lora_copy_s"] + spans["cpu_pin_s"],
         "lora_copies_s": spans["gpu_lora_copy_s"],  # expert-LoRA factors to the host and their gradients back
+        "pin_s": spans["cpu_pin_s"],  # the host copying results into pinned buffers: part of cpu_idle_s
         "cpu_idle_s": step_s - spans["cpu_experts_s"],  # backend idle while the device works
         "gpu_idle_s": waiting,  # device idle while the CPU works
     }
 
 
-def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
-    """ktcore.load_model + PEFT, per tokens: expert LoRA off (unless not asked) then on."""
+def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16", backend: Optional[str] = None,
+               placement: str = "cpu") -> Iterator[dict]:
+    """ktcore.load_model with ``placement`` + PEFT, per tokens: expert LoRA off (unless not asked) then on; then
+    the loss curve (``settings.loss_steps``) at the first tokens."""
     from peft import get_peft_model
 
     from .. import load_model
     from ..model.checkpointing import checkpoint_non_experts
+    from ..model.lm_loss import chunk_lm_loss
     from ..experts.timeline import attach
 
     device = settings.device
-    kt = {"kt_backend": settings.backend, "kt_num_threads": settings.threads}
+    kt = {"kt_backend": backend or settings.backend, "kt_num_threads": settings.threads,
+          "kt_expert_placement": placement, "kt_stream_ring": settings.stream_ring,
+          "kt_hybrid_cpu_share": settings.hybrid_cpu_share}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
+    chunk_lm_loss(base)  # as ktcore train
+    stream = base.ktcore.stream
     if settings.gradient_checkpointing:
         checkpoint_non_experts(base)
     backends = {layer.backend for layer in base.ktcore.layers.values()}
     pools = [getattr(b, "num_threads", None) for b in backends]
-    common = {"backend": ",".join(sorted(b.name for b in backends)), "moe_layers": len(base.ktcore.layers),
-              "backend_threads": max((n for n in pools if n), default=None), "torch_threads": torch.get_num_threads()}
+    common = {"expert_format": expert_format, "placement": placement,
+              "backend": ",".join(sorted(b.name for b in backends)),
+              "moe_layers": len(set(base.ktcore.layers) | set(base.ktcore.streamed)),
+              "backend_threads": max((n for n in pools if n), default=None),
+              "torch_threads": torch.get_num_threads(),
+              # host memory of the packed routed experts (for a GGUF: the file's blocks, mapped)
+              "expert_gib": base.ktcore.packed_bytes / GIB}
     variants = ([False] if settings.expert_lora_off else []) + [True]
     for tokens in settings.tokens:
-        kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds, settings.dtype)
+        # the backend alone on whole layers: a figure of the cpu placement (a hybrid layer's backend has a share)
+        kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds if placement == "cpu" else 0,
+                              settings.dtype)
         step_off = None
         for expert_lora in variants:
-            run = "ktcore" if expert_lora else "ktcore, no expert LoRA"
+            run = ("ktcore" if placement == "cpu" else f"ktcore {placement}") + ("" if expert_lora else
+                                                                                ", no expert LoRA")
             model = None
             try:
                 torch.manual_seed(0)
                 model = get_peft_model(base, lora_config(base, settings.rank, experts=expert_lora))
                 model.train()
                 _reset_peaks(device)
+                copied = stream.copied_bytes if stream else 0
                 with attach(base) as timeline:
-                    timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline)
+                    timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True)
                 step_s = timed["step_s"]
                 split = split_of(step_s, timed["spans"], device)
+                # host-to-device expert bytes per step (gpu_stream), and the pinned-bandwidth bound they set
+                split["h2d_gb"] = ((stream.copied_bytes - copied) / (settings.warmup + settings.steps) / 1e9
+                                   if stream else 0.0)
                 if not expert_lora:
                     step_off = step_s
                 elif step_off is not None:
@@ -356,15 +475,38 @@ def run_ktcore(settings: Settings, model_dir: Path) -> Iterator[dict]:
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, step_s=step_s,
                            tok_s=tokens / step_s, split=split, **kernels,
                            overhead_ratio=step_s / denominator if kernels["kernel_s"] else None,
-                           **_peaks(device), error=None)
+                           peak_gpu_gib=timed["peak_gpu_gib"], peak_host_gib=timed["peak_host_gib"],
+                           memory=timed["memory"], error=None)
             except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others still run
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, error=_error_line(exc))
             finally:
                 if model is not None:
                     base = model.unload()
                 del model
+    if settings.loss_steps:
+        yield from _loss_run(settings, base, common)
     del base
     _reset_peaks(device)
+
+
+def _loss_run(settings: Settings, base, common: dict) -> Iterator[dict]:
+    from peft import get_peft_model
+
+    tokens, model = settings.tokens[0], None
+    try:
+        torch.manual_seed(0)
+        model = get_peft_model(base, lora_config(base, settings.rank))
+        model.train()
+        _reset_peaks(settings.device)
+        losses = loss_curve(model, tokens, settings.loss_steps, settings.device)
+        yield _row(settings, LOSS_RUN, tokens, **common, expert_lora=True, steps=settings.loss_steps,
+                   losses=losses, loss_first=losses[0], loss_last=losses[-1], loss_vs_bf16=None,
+                   **_peaks(settings.device), error=None)
+    except Exception as exc:  # noqa: BLE001 - reported like the timed runs
+        yield _row(settings, LOSS_RUN, tokens, **common, expert_lora=True, error=_error_line(exc))
+    finally:
+        if model is not None:
+            model.unload()
 
 
 def offload_map(model, arch) -> dict:
@@ -432,9 +574,10 @@ def run_transformers(settings: Settings, model_dir: Path, offload: bool) -> Iter
             model.train()
             for tokens in settings.tokens:
                 _reset_peaks(device)
-                step_s = train_steps(model, tokens, settings.warmup, settings.steps, device)["step_s"]
+                timed = train_steps(model, tokens, settings.warmup, settings.steps, device)
+                step_s = timed.pop("step_s")
                 yield _row(settings, run, tokens, expert_lora=expert_lora, step_s=step_s, tok_s=tokens / step_s,
-                           **_peaks(device), error=None)
+                           **timed, error=None)
             return
         except Exception as exc:  # noqa: BLE001 - reported as a user trying it would see it; then without
             yield _row(settings, run, settings.tokens[0], expert_lora=expert_lora, error=_error_line(exc))
@@ -445,31 +588,57 @@ def run_transformers(settings: Settings, model_dir: Path, offload: bool) -> Iter
 
 def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[Path] = None,
         keep: bool = False) -> Iterator[dict]:
-    """Every run's row, as each finishes. Builds the model (unless ``model_dir``) and deletes it afterwards
-    unless ``keep``."""
-    built = None
-    if model_dir is None:
+    """Every run's row, as each finishes: per expert format (bf16 first), then the transformers baselines. Builds
+    the model (unless ``model_dir``) and its GGUF files (for formats other than bf16) in a scratch directory,
+    deleted afterwards unless ``keep``. A ``model_dir`` that is a .gguf file is timed as it is."""
+    scratch = None
+    quantised = [f for f in settings.expert_formats if f != "bf16"]
+    if model_dir is None or quantised:
         scratch = Path(tempfile.mkdtemp(prefix="ktcore-bench-", dir=workdir))
-        built = write_random_model(make_config(settings.shape, settings.layers, settings.tiny), scratch / "model")
-        model_dir = built
     try:
-        yield from run_ktcore(settings, model_dir)
+        config = make_config(settings.shape, settings.layers, settings.tiny) if model_dir is None else None
+        if quantised:  # refused before anything is built
+            from transformers import AutoConfig
+
+            from ..weights.gguf_writer import writable_arch
+
+            writable_arch(config or AutoConfig.from_pretrained(model_dir), f"--expert-format {','.join(quantised)}")
+        if model_dir is None:
+            model_dir = write_random_model(config, scratch / "model")
+        if model_dir.is_file():
+            yield from run_ktcore(settings, model_dir, expert_format="gguf file")
+            return
+        models = {"bf16": model_dir, **write_gguf_models(model_dir, quantised, scratch)}
+        bf16_loss = None
+        for fmt in settings.expert_formats:
+            for row in (r for placement in settings.placements for r in run_ktcore(
+                    settings, models[fmt], fmt, None if fmt == "bf16" else GGUF_BACKEND, placement)):
+                if row["run"] == LOSS_RUN and row["error"] is None:
+                    if fmt == "bf16":
+                        bf16_loss = row["loss_last"]
+                    elif bf16_loss is not None:
+                        row["loss_vs_bf16"] = (row["loss_last"] - bf16_loss) / bf16_loss
+                yield row
         if settings.baseline:
             yield from run_transformers(settings, model_dir, offload=False)
             yield from run_transformers(settings, model_dir, offload=True)
     finally:
-        if built is not None and not keep:
-            shutil.rmtree(built.parent, ignore_errors=True)
-        elif built is not None:
-            print(f"ktcore: kept the model in {built} (--model {built} times it again)", file=sys.stderr)
+        if scratch is not None and not keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+        elif scratch is not None:
+            print(f"ktcore: kept the models in {scratch} (--model PATH times one again)", file=sys.stderr)
 
 
-COLUMNS = (("run", "run"), ("tokens", "tokens"), ("tok_s", "tok/s"), ("step_s", "step s"),
+COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), ("tok_s", "tok/s"), ("step_s", "step s"),
            ("gpu_busy_s", "gpu busy"), ("cpu_experts_s", "cpu experts"), ("expert_lora_s", "expert lora"),
-           ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("cpu_idle_s", "cpu idle"),
+           ("h2d_gb", "h2d GB"), ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"),
+           ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
-           ("peak_host_gib", "peak host GiB"), ("error", "error"))
+           ("peak_host_gib", "peak host GiB"), ("expert_gib", "expert GiB"), ("resident_gib", "resident GiB"),
+           ("activations_gib", "activations GiB"), ("layers_peak_gib", "layers peak"), ("loss_peak_gib", "loss peak"),
+           ("backward_peak_gib", "backward peak"), ("peak_phase", "peak in"), ("loss_first", "loss first"),
+           ("loss_last", "loss last"), ("loss_vs_bf16", "loss vs bf16"), ("error", "error"))
 
 
 def format_header(settings: Settings) -> str:
@@ -481,7 +650,7 @@ def format_header(settings: Settings) -> str:
 
 
 def format_row(row: dict) -> str:
-    values = {**row, **(row.get("split") or {})}
+    values = {**row, **(row.get("split") or {}), **(row.get("memory") or {})}
 
     def cell(key):
         v = values.get(key)

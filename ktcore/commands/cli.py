@@ -58,11 +58,18 @@ def plugins_cmd(show_all, as_json):
 @main.command("list-backends")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--explain", is_flag=True, help="say why each backend is or is not chosen by auto")
-def list_backends(as_json, explain):
+@click.option("--weight-format", default="auto", show_default=True,
+              help="the kt_expert_weight_format to choose for (int8: which backend computes int8 experts)")
+def list_backends(as_json, explain, weight_format):
     """Expert backends; the row `auto` picks on this machine is marked with *."""
+    from ..config import KTConfig
     from ..plugins.select import resolve_backend
 
-    choice = resolve_backend("auto", need_backward=True, need_lora=True)  # what training (wrap_model) picks
+    formats = KTConfig.__dataclass_fields__["kt_expert_weight_format"].metadata.get("choices")
+    if formats and weight_format not in formats:
+        raise click.BadParameter(f"{weight_format!r} is not one of {', '.join(formats)}", param_hint="--weight-format")
+    # what training (wrap_model) picks
+    choice = resolve_backend("auto", weight_format=weight_format, need_backward=True, need_lora=True)
     registry = get_registry()
     rows = []
     for name, spec in sorted(registry.specs("expert_backend").items()):
@@ -129,9 +136,40 @@ main.command("list-adapter-formats", help="Adapter file formats.")(
 def doctor(as_json, seconds):
     """CPU features, AMX permission, threads, RAM, GPU, and measured peak rates."""
     from .doctor import collect, format_report
+    from .rates import rates_of_auto
 
     report = collect(seconds=seconds)
+    report["rates"] = rates_of_auto(seconds)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
+@main.command("plan")
+@click.argument("config_path", metavar="CFG.yaml", type=click.Path(dir_okay=False))
+@click.option("--rates", "rates_path", type=click.Path(dir_okay=False),
+              help="rates file: ktcore doctor --json output, or a JSON of fixed rates (default: measure here)")
+@click.option("--gpu-mem", type=float, help="GPU memory in GiB (default: the rates', or this GPU's)")
+@click.option("--host-ram", type=float, help="host RAM in GiB (default: the rates', or this host's)")
+@click.option("--cpu-cores", type=click.IntRange(min=1), help="cores for the CPU backend (scales its rate)")
+@click.option("--tokens", default=None, help="tokens per step, a comma list (default: cutoff_len x batch size)")
+@click.option("--json", "as_json", is_flag=True)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def plan_cmd(config_path, rates_path, gpu_mem, host_ram, cpu_cores, tokens, as_json, overrides):
+    """Predict time and memory of each expert placement from config.json alone, and what auto would take."""
+    from ..config import load_config
+    from ..model.cost import load_rates
+    from .plan import format_plan, measured_rates, run
+
+    cfg = load_config(config_path, overrides)
+    try:
+        steps = [int(t) for t in tokens.split(",")] if tokens else \
+            [cfg.cutoff_len * cfg.per_device_train_batch_size]
+    except ValueError:
+        raise click.UsageError(f"--tokens {tokens!r}: a comma list of token counts, e.g. 2048,8192") from None
+    if any(t <= 0 for t in steps):
+        raise click.UsageError(f"--tokens {tokens!r}: token counts must be positive")
+    rates = load_rates(rates_path) if rates_path else measured_rates(cfg.kt)
+    result = run(cfg, rates, steps, gpu_mem, host_ram, cpu_cores)
+    click.echo(json.dumps(result, indent=2) if as_json else format_plan(result))
 
 
 def _config_here(command: str, config_path, frontend: str, overrides):
@@ -184,13 +222,38 @@ def chat(config_path, prompt, overrides):
 
 
 @main.command("convert")
-@click.argument("model", metavar="MODEL.gguf", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", metavar="MODEL", type=click.Path(exists=True))
 @click.option("--format", "fmt", default=None,
-              help="block type of the routed experts (default: the converter's first, q4_k for llamafile's)")
+              help="a model directory: bf16 or int8 (default bf16); a .gguf file: the GGUF block type (default: "
+                   "the converter's first, q4_k for llamafile's)")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="output directory")
-def convert_cmd(model, fmt, out):
-    """Re-quantise a model's routed experts (--format) with the converter of the installed expert backend that
-    writes that format (llamafile: a GGUF model -> DIR/<name>.<fmt>.gguf, everything else copied as is)."""
+@click.option("--threadpools", type=click.IntRange(min=1), default=1, show_default=True,
+              help="a model directory: split each layer's experts into this many thread-pool files")
+@click.option("--non-expert", is_flag=True, help="a model directory: every tensor but the routed experts, in bf16")
+@click.option("--workers", type=click.IntRange(min=0), default=0,
+              help="a model directory: layers converted at once [default: min(4, cores)]; host memory: one layer each")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+def convert_cmd(model, fmt, out, threadpools, non_expert, workers, quiet):
+    """MODEL a safetensors model directory (FP8 DeepSeek-V3 included): write its routed experts (--format
+    bf16|int8), or with --non-expert every other tensor, as a weight store for kt_weight_path /
+    kt_non_expert_weight_path; an interrupted run resumes. MODEL.gguf: re-quantise its routed experts with the
+    converter of the installed expert backend that writes --format (llamafile: DIR/<name>.<fmt>.gguf)."""
+    from pathlib import Path
+
+    if Path(model).is_dir():
+        from ..weights.convert import FORMATS, convert_model
+
+        if non_expert and fmt not in (None, "bf16"):
+            raise click.UsageError("--non-expert writes bf16; drop --format")
+        if fmt not in (None, *FORMATS):
+            raise click.UsageError(f"--format {fmt}: a model directory converts to one of {', '.join(FORMATS)}")
+        summary = convert_model(model, out, fmt or "bf16", threadpools, non_expert, progress=not quiet,
+                                workers=workers)
+        click.echo(json.dumps(summary, indent=2))
+        return
+    if non_expert or threadpools != 1 or workers:
+        raise click.UsageError("--non-expert, --threadpools and --workers take a safetensors model directory, "
+                               "not a file")
     converters = [(spec, f) for _, spec in sorted(get_registry().specs("expert_backend").items()) if spec.converter
                   for f in spec.convert_formats]
     if not converters:
@@ -302,6 +365,39 @@ def bench_load(config_path, overrides, rounds, as_json):
     click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
 
 
+@bench.command("convert")
+@click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="a safetensors model directory (default: a synthetic bf16 one of --synthetic-gb)")
+@click.option("--synthetic-gb", default=10.0, show_default=True,
+              help="size of the synthetic checkpoint's experts (Qwen3-30B-A3B layers, random bf16)")
+@click.option("--format", "fmt", default="bf16", show_default=True, type=click.Choice(["bf16", "int8"]))
+@click.option("--threadpools", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--workdir", default=None, type=click.Path(file_okay=False),
+              help="where the synthetic model (written once, reused by later runs) and the store go "
+                   "(default: a temp directory, removed)")
+@click.option("--workers", type=click.IntRange(min=0), default=0, help="layers at once [default: min(4, cores)]")
+@click.option("--keep", is_flag=True, help="keep the synthetic model and the store")
+@click.option("--json", "as_json", is_flag=True)
+def bench_convert_cmd(model_dir, synthetic_gb, fmt, threadpools, workdir, workers, keep, as_json):
+    """`ktcore convert` of a model directory against `dd` reading the same expert shards, both from a cold page
+    cache for those files: MB/s of each and their ratio."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from .bench_convert import format_result, run, synthetic_model
+
+    work = Path(workdir or tempfile.mkdtemp(prefix="ktcore-bench-convert-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        model_dir = model_dir or synthetic_model(work / "model", synthetic_gb)
+        result = run(model_dir, work / "store", fmt, threadpools, keep=keep, workers=workers)
+    finally:
+        if not keep and workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    click.echo(json.dumps(result) if as_json else format_result(result))
+
+
 @bench.command("train")
 @click.option("--shape", default="deepseek-v2-lite", show_default=True,
               type=click.Choice(["deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b"]), help="the model's shape")
@@ -321,6 +417,12 @@ def bench_load(config_path, overrides, rounds, as_json):
                    "the routed experts offloaded to host memory")
 @click.option("--kernel-seconds", default=1.0, show_default=True,
               help="time budget of each kernel-only measurement (0: skip it)")
+@click.option("--expert-format", "expert_formats", default="bf16", show_default=True,
+              help="comma list of bf16, q8_0, q4_k: the same random model with its routed experts in bf16 (on "
+                   "--backend) or as a GGUF of Q8_0 / Q4_K blocks (on llamafile), each timed in turn")
+@click.option("--loss-steps", default=0, show_default=True, type=click.IntRange(min=0),
+              help="also train this many steps on a task whose loss falls, at the first --tokens, per expert format "
+                   "(the last loss and its relative difference to bf16's)")
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True),
               help="time this model (a directory, or a .gguf file whose quantised experts the llamafile backend "
                    "computes with) instead of building one")
@@ -328,20 +430,41 @@ def bench_load(config_path, overrides, rounds, as_json):
               help="where the scratch model is written (default: the system's temp directory)")
 @click.option("--keep", is_flag=True, help="keep the scratch model (its path is printed)")
 @click.option("--cpu", "on_cpu", is_flag=True, help="run on the CPU at the tiny shape even when there is a GPU")
+@click.option("--placement", "placements", default="cpu", show_default=True,
+              help="comma list of kt_expert_placement values, each run side by side (cpu, gpu_stream, hybrid)")
+@click.option("--hybrid-cpu-share", default=0.5, show_default=True, type=click.FloatRange(0, 1, min_open=True,
+              max_open=True), help="kt_hybrid_cpu_share of the hybrid runs (ktcore plan predicts the best)")
+@click.option("--stream-ring", default=2, show_default=True, type=click.IntRange(min=1),
+              help="kt_stream_ring of the gpu_stream runs")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
-                expert_lora_off, baseline, kernel_seconds, model_dir, workdir, keep, on_cpu, as_json):
+                expert_lora_off, baseline, kernel_seconds, expert_formats, loss_steps, model_dir, workdir, keep, on_cpu,
+                placements, stream_ring, hybrid_cpu_share, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
 
     import torch
 
-    from .bench_train import SHAPES, Settings, environment, format_header, format_row, run
+    from .bench_train import EXPERT_FORMATS, SHAPES, Settings, environment, format_header, format_row, run
 
+    formats = {f.strip() for f in expert_formats.split(",")}
+    if not formats <= set(EXPERT_FORMATS):
+        raise click.BadParameter(f"{expert_formats!r}: choose from {', '.join(EXPERT_FORMATS)}, e.g. bf16,q8_0,q4_k",
+                                 param_hint="--expert-format")
+    if model_dir and Path(model_dir).is_file() and formats != {"bf16"}:
+        raise click.BadParameter(f"{model_dir}: a .gguf file is timed with the experts it has; drop --expert-format "
+                                 "(it writes GGUF files of a model directory or of the random model)",
+                                 param_hint="--model")
     settings = Settings(SHAPES[shape], layers, (), backend=backend, threads=threads, rank=lora_rank,
                         warmup=warmup, steps=steps, gradient_checkpointing=gradient_checkpointing,
-                        expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds)
+                        expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds,
+                        expert_formats=tuple(f for f in EXPERT_FORMATS if f in formats), loss_steps=loss_steps,
+                        placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring,
+                        hybrid_cpu_share=hybrid_cpu_share)
+    unknown = [p for p in settings.placements if p not in ("cpu", "gpu_stream", "hybrid")]
+    if unknown:
+        raise click.UsageError(f"--placement {','.join(unknown)}: bench train runs cpu, gpu_stream and hybrid")
     if on_cpu:
         settings.device = torch.device("cpu")
     default_tokens = "64,256" if settings.tiny else "2048,8192"

@@ -18,7 +18,7 @@ from ..plugins.hw import KNOWN_FLAGS, cpu_info, total_memory_bytes
 from ..specs import import_object
 
 
-def _best_rate(fn, seconds: float, work: float) -> float:
+def best_rate(fn, seconds: float, work: float) -> float:
     """work units per second of the fastest call of ``fn`` within ``seconds`` (at least 3 calls)."""
     fn()  # warm up
     best, deadline, calls = float("inf"), time.perf_counter() + seconds, 0
@@ -33,7 +33,7 @@ def _best_rate(fn, seconds: float, work: float) -> float:
 def measure_read_bandwidth(nbytes: int = 512 << 20, seconds: float = 0.5) -> float:
     """GB/s of a multithreaded streaming read (torch sum over a buffer larger than the caches)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    return _best_rate(lambda: buf.sum(), seconds, buf.numel() * 4) / 1e9
+    return best_rate(lambda: buf.sum(), seconds, buf.numel() * 4) / 1e9
 
 
 def measure_onednn_bf16_gflops(seconds: float = 0.5, max_n: int = 2048) -> tuple[float, int]:
@@ -47,7 +47,7 @@ def measure_onednn_bf16_gflops(seconds: float = 0.5, max_n: int = 2048) -> tuple
         a @ b
         took = time.perf_counter() - start
         if n >= max_n or took * 8 > seconds:
-            return _best_rate(lambda: a @ b, seconds, 2.0 * n ** 3) / 1e9, n
+            return best_rate(lambda: a @ b, seconds, 2.0 * n ** 3) / 1e9, n
         n *= 2
 
 
@@ -92,7 +92,7 @@ def collect(seconds: float = 0.5) -> dict:
 
 CORE_FIELDS = ("cpu", "logical_cores", "torch_threads", "flags", "flags_overridden_by_KTCORE_CPU_FLAGS",
                "amx_permission", "amx_permission_reason", "ram_gib", "gpu", "torch", "dram_read_gbps",
-               "onednn_bf16_gemm_gflops", "onednn_bf16_gemm_n", "auto_backend", "threads_env")
+               "onednn_bf16_gemm_gflops", "onednn_bf16_gemm_n", "auto_backend", "threads_env", "rates")
 
 
 def format_report(report: dict) -> str:
@@ -111,4 +111,7 @@ def format_report(report: dict) -> str:
     ]
     lines += [f"{key}: {value}" for key, value in report.items() if key not in CORE_FIELDS]  # the backends' probes
     lines.append(f"auto backend   {report['auto_backend']}")
+    if "rates" in report:
+        lines.append("plan rates     " + ", ".join(f"{k} {v}" for k, v in report["rates"].items())
+                     + "  (ktcore doctor --json > rates.json; ktcore plan CFG.yaml --rates rates.json)")
     return "\n".join(lines)

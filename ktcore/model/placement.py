@@ -9,8 +9,11 @@ name decides, and a module no rule matches uses ``kt_backend`` on the CPU::
       - match: '\\.(1[0-9])\\.mlp'            # layers 10-19 on another backend
         backend: torch
 
-``device: gpu`` leaves the layer's experts as transformers' own module on the model's device; ``backend``
-names any expert backend plugin (computed on the CPU).
+``device: gpu`` leaves the layer's experts as transformers' own module on the model's device; ``device:
+gpu_stream`` keeps them in host memory and streams them to the model's device for each use (``model/stream.py``);
+``device: hybrid`` splits them between ``kt_backend`` and the stream (``model/hybrid.py``);
+``backend`` names any expert backend plugin (computed on the CPU). ``kt_expert_placement`` is the device of the
+layers no rule matches.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-DEVICES = ("cpu", "gpu")
+DEVICES = ("cpu", "gpu", "gpu_stream", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -58,15 +61,16 @@ def parse_rules(raw, where: str) -> tuple[PlacementRule, ...]:
         if device not in DEVICES:
             raise ValueError(f"{at}: device {rule.get('device')!r} is not one of {', '.join(DEVICES)}")
         backend = rule.get("backend")
-        if device == "gpu" and backend is not None:
-            raise ValueError(f"{at}: a rule places experts on the GPU or on a CPU backend, not both")
+        if device != "cpu" and backend is not None:
+            raise ValueError(f"{at}: a rule places experts on the GPU ({device}) or on a CPU backend, not both")
         rules.append(PlacementRule(str(rule["match"]), device, None if backend is None else str(backend)))
     return tuple(rules)
 
 
-def place(module_name: str, rules, default_backend: str) -> PlacementRule:
-    """The rule deciding ``module_name`` (a CPU rule with the default backend when none matches)."""
+def place(module_name: str, rules, default_backend: str, default_device: str = "cpu") -> PlacementRule:
+    """The rule deciding ``module_name`` (``default_device``, with the default backend on the CPU, when none
+    matches)."""
     for rule in rules:
         if rule.matches(module_name):
-            return rule if rule.device == "gpu" or rule.backend else PlacementRule(rule.match, "cpu", default_backend)
-    return PlacementRule("", "cpu", default_backend)
+            return rule if rule.device != "cpu" or rule.backend else PlacementRule(rule.match, "cpu", default_backend)
+    return PlacementRule("", default_device, default_backend if default_device == "cpu" else None)

@@ -13,21 +13,23 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..errors import ConfigError
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins import UnknownPluginError, get_registry
 from ..plugins.threads import apply_budget
 from ..specs import ArchSpec, import_object
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
+from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
+from .stream import GPU_EXPERTS_IMPLEMENTATION, ExpertStream, streamed_forward
 
 if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
     from ..config import KTConfig
 
 EXPERTS_IMPLEMENTATION = "ktcore"
-GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for layers placed on the GPU
 
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                    "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
@@ -36,6 +38,12 @@ _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorc
 def ktcore_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The experts forward transformers calls for ``experts_implementation="ktcore"``."""
     layer: Optional[ExpertLayer] = self.__dict__.get("_ktcore_layer")
+    streamed = self.__dict__.get("_ktcore_stream")
+    if streamed is not None and layer is not None:  # hybrid: the first experts on the CPU, the others streamed
+        return hybrid_forward(self, layer, self.__dict__["_ktcore_cpu_experts"], *streamed, hidden_states,
+                              top_k_index, top_k_weights)
+    if streamed is not None:  # gpu_stream: host experts copied to the model's device for this call
+        return streamed_forward(self, *streamed, hidden_states, top_k_index, top_k_weights, expert_lora_of(self))
     if layer is None:
         if is_placeholder(self.gate_up_proj):
             raise RuntimeError(f"{type(self).__name__}: experts were never moved into a backend; build the model "
@@ -62,6 +70,8 @@ class WrapInfo:
     config: KTConfig
     layers: dict  # experts module name -> ExpertLayer (layers on a CPU backend)
     on_gpu: tuple = ()  # experts module names kept on the model's device by kt_placement
+    stream: Optional[ExpertStream] = None  # the experts placed gpu_stream or hybrid (stream.host), in model order
+    streamed: tuple = ()  # experts module names with (some of) their experts in the stream
 
     @property
     def packed_bytes(self) -> int:
@@ -164,21 +174,34 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
                          f"{type(model).__name__}")
     for _, name, module in modules:
         check_experts_module(module, name, arch)
+    if kt.kt_expert_placement == "auto":
+        raise ConfigError("kt_config.kt_expert_placement: auto is not implemented yet (ktcore plan says what it "
+                          "would take); use cpu, gpu_stream or hybrid")
+    hybrid = kt.kt_expert_placement == "hybrid" or any(r.device == "hybrid" for r in parse_rules(kt.kt_placement,
+                                                                                              "kt_config"))
+    if hybrid and kt.kt_hybrid_cpu_share is None:
+        raise ConfigError("kt_config.kt_hybrid_cpu_share is required for hybrid placement: set it to the CPU share "
+                          "`ktcore plan` predicts (the share of each layer's experts the CPU computes)")
     backend = get_backend(kt.kt_backend, kt, need_backward=need_backward, need_lora=need_backward)
     return arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
+STREAM = "gpu_stream"  # plan_placement's value for a layer streamed to the model's device
+HYBRID = "hybrid"  # ... for a layer split between the default backend and the stream
+
+
 def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True) -> dict:
-    """experts module name -> the backend computing it, or None for a layer kept on the model's device."""
+    """experts module name -> the backend computing it, None for a layer kept on the model's device, STREAM or
+    HYBRID."""
     from ..plugins.select import get_backend
 
     rules = parse_rules(kt.kt_placement, "kt_config")
     backends = {kt.kt_backend: default_backend}
     plan = {}
     for _, name, _ in modules:
-        rule = place(name, rules, kt.kt_backend)
-        if rule.device == "gpu":
-            plan[name] = None
+        rule = place(name, rules, kt.kt_backend, kt.kt_expert_placement)
+        if rule.device != "cpu":
+            plan[name] = {"gpu": None, "gpu_stream": STREAM, "hybrid": HYBRID}[rule.device]
             continue
         if rule.backend not in backends:
             backends[rule.backend] = get_backend(rule.backend, kt, need_backward=need_backward,
@@ -200,6 +223,43 @@ def install_resident(model, name: str, module, weights: ExpertWeights, arch: Arc
     module.down_proj = torch.nn.Parameter(weights.down.to(device, dtype), requires_grad=False)
 
 
+def install_streamed(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device) -> None:
+    """Keep a gpu_stream layer's experts (a hybrid layer's GPU share) in host memory in HF's layout (``finish``
+    hands them to the stream); the module gets placeholders of its whole shape, so PEFT's expert LoRA folds onto
+    it as on a CPU-backend layer."""
+    if arch.dense_mlp or getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
+        raise ValueError(f"{name}: gpu_stream placement of dense MLPs or transposed / interleaved experts is not "
+                         "supported yet")
+    gate_up = torch.cat([weights.gate, weights.up], dim=1).to(dtype).contiguous()
+    down = weights.down.to(dtype).contiguous()
+    module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
+    module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
+    module.__dict__["_ktcore_host_experts"] = (gate_up, down)
+
+
+def install_hybrid(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device, backend,
+                   budget, kt, act: str):
+    """Split a hybrid layer: the first experts packed into ``backend``, the others kept for the stream."""
+    n = cpu_experts(kt.kt_hybrid_cpu_share, weights.gate.shape[0], name)
+    cpu = ExpertWeights(weights.gate[:n], weights.up[:n], weights.down[:n])
+    layer = ExpertLayer(backend, backend.pack(cpu, activation=act), budget, kt.kt_cpu_activation, name)
+    layer.overlap = HybridPoint()
+    install_streamed(model, name, module, ExpertWeights(weights.gate[n:], weights.up[n:], weights.down[n:]), arch,
+                     dtype, device)
+    module.__dict__.update(_ktcore_layer=layer, _ktcore_cpu_experts=n)
+    return layer
+
+
+def _build_stream(model, kt, arch) -> Optional[ExpertStream]:
+    streamed = [m for _, _, m in expert_modules(model, arch) if "_ktcore_host_experts" in m.__dict__]
+    if not streamed:
+        return None
+    stream = ExpertStream(model.device, kt.kt_stream_ring)
+    for module in streamed:
+        module.__dict__["_ktcore_stream"] = (stream, stream.add(*module.__dict__.pop("_ktcore_host_experts")))
+    return stream
+
+
 def finish(model, kt, arch, backend, layers) -> None:
     if not arch.dense_mlp:  # dense MLPs were replaced by OffloadedMLP; MoE experts dispatch through HF
         register_experts_implementation()
@@ -212,11 +272,14 @@ def finish(model, kt, arch, backend, layers) -> None:
                 config = getattr(module, "config", None)
                 if hasattr(config, "_experts_implementation_internal"):
                     config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
-    on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers)
+    stream = _build_stream(model, kt, arch)
+    streamed = tuple(name for _, name, m in expert_modules(model, arch) if "_ktcore_stream" in m.__dict__)
+    on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers and name not in streamed)
     pattern = experts_pattern(arch)
-    install_overlap(model, arch, layers, lambda name: int(pattern.search(name).group(1)))
+    whole = {name: layer for name, layer in layers.items() if not isinstance(layer.overlap, HybridPoint)}
+    install_overlap(model, arch, whole, lambda name: int(pattern.search(name).group(1)))
     apply_budget([layer.backend for layer in layers.values()], model.device)
-    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu)
+    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream, streamed)
 
 
 def wrap_model(model, kt: KTConfig, need_backward: bool = True):
@@ -231,6 +294,13 @@ def wrap_model(model, kt: KTConfig, need_backward: bool = True):
         if plan[name] is None:
             continue  # kt_placement keeps this layer as it is, on the model's device
         dtype, device = weight_dtype_device(module, arch)
+        if plan[name] == STREAM:
+            install_streamed(model, name, module, module_weights(module, arch), arch, dtype, device)
+            continue
+        if plan[name] == HYBRID:
+            layers[name] = install_hybrid(model, name, module, module_weights(module, arch), arch, dtype, device,
+                                          backend, budget, kt, act)
+            continue
         packed = plan[name].pack(module_weights(module, arch), activation=act)
         layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
         install_layer(model, name, module, layers[name], arch, dtype, device)

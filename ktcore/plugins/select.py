@@ -19,13 +19,17 @@ class BackendChoice:
 
 
 def unusable_reason(spec: ExpertBackendSpec, cpu: CpuInfo, weight_format: str = "auto",
-                    need_backward: bool = False, need_lora: bool = False) -> Optional[str]:
-    """Why ``spec`` cannot serve this request on this CPU, or None."""
+                    need_backward: bool = False, need_lora: bool = False, named: bool = False) -> Optional[str]:
+    """Why ``spec`` cannot serve this request on this CPU, or None. ``named``: the request names this backend (a
+    lossy one, amx_int8, then serves weight format ``auto`` in its own format)."""
     missing = cpu.missing(spec.required_cpu_features)
     if missing:
         return f"CPU lacks {', '.join(missing)}"
     if "amx_tile" in spec.required_cpu_features and not cpu.amx_permission:
         return cpu.amx_permission_reason or "no AMX tile permission"
+    if spec.lossy and weight_format == "auto" and not named:
+        return (f"quantises the experts ({', '.join(spec.weight_formats)}): chosen only when "
+                "kt_expert_weight_format names its format, not for 'auto'")
     if weight_format != "auto" and weight_format not in spec.weight_formats:
         return f"weight format {weight_format!r} not supported (has {', '.join(spec.weight_formats)})"
     if need_backward and not spec.supports_backward:
@@ -48,7 +52,8 @@ def resolve_backend(name: str = "auto", *, weight_format: str = "auto", need_bac
     registry = registry or get_registry()
     cpu = cpu or cpu_info()
     specs = registry.specs("expert_backend")
-    reasons = {n: unusable_reason(s, cpu, weight_format, need_backward, need_lora) for n, s in specs.items()}
+    reasons = {n: unusable_reason(s, cpu, weight_format, need_backward, need_lora, named=n == name)
+               for n, s in specs.items()}
     if name != "auto":
         unavailable = {n: r for n, r in reasons.items() if r}
         return BackendChoice(registry.get("expert_backend", name, unavailable), reasons)

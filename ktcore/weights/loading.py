@@ -9,12 +9,15 @@ names (``SafetensorsWeights``, ``GGUFWeights``); ``load_model`` opens a model di
 GGUF files: the HF config comes from the GGUF metadata (the architecture plugin's ``gguf_config``) and the
 routed experts (``blk.L.ffn_{gate,up,down}_exps``; the dense MLP ``blk.L.ffn_*`` for Llama) are read layer by
 layer from the mmap, or packed from it as they are by a backend that computes with GGUF blocks.
+
+Weight stores (``ktcore convert``): ``kt_weight_path`` gives the routed experts and ``kt_non_expert_weight_path``
+the rest, each validated against the model directory's config and index first (``store_sources.open_weights``).
 """
 
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -22,10 +25,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..experts import ExpertLayer
-from ..model.wrap import activation_name, finish, install_layer, install_resident, plan_placement, prepare
+from ..model.wrap import (HYBRID, STREAM, activation_name, finish, install_hybrid, install_layer, install_resident,
+                          install_streamed, plan_placement, prepare)
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 from .model_path import record_base
-from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights
+from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights, take_fp8_block
+from .store_sources import open_weights as open_store_weights, uses_store
 
 if TYPE_CHECKING:  # parsed at the edge (ktcore.load_model) and handed down
     from ..config import KTConfig
@@ -95,16 +100,24 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
-        packed = target.pack_source(sources[name], act) if target is not None else None
+        packed = target.pack_source(sources[name], act) if target not in (None, STREAM, HYBRID) else None
         if packed is None:
             expert_weights = sources[name].read(dtype)
             if target is None:
                 install_resident(model, name, module, expert_weights, arch, dtype, device)
-                continue
-            packed = target.pack(expert_weights, activation=act)
+            elif target == STREAM:
+                install_streamed(model, name, module, expert_weights, arch, dtype, device)
+            elif target == HYBRID:
+                layers[name] = install_hybrid(model, name, module, expert_weights, arch, dtype, device, backend,
+                                              budget, kt, act)
+            else:
+                packed = target.pack(expert_weights, activation=act)
             del expert_weights
-        layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
-        install_layer(model, name, module, layers[name], arch, dtype, device)
+        if packed is not None:
+            layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
+            install_layer(model, name, module, layers[name], arch, dtype, device)
+        if hasattr(sources[name], "done"):  # the layer is loaded: an ephemeral store deletes its files
+            sources.pop(name).done()
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise CheckpointError(f"{path}: no weights for {', '.join(leftover[:5])}; the checkpoint does not match "
@@ -130,19 +143,22 @@ def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bo
     # a caller's config is copied, as from_pretrained copies it: loading sets its experts implementation and may
     # drop its quantization_config, and the caller may build another model from the same object
     hf_config = AutoConfig.from_pretrained(path) if hf_config is None else copy.deepcopy(hf_config)
-    fp8_block = (128, 128)
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:  # FP8 block-scaled checkpoints (DeepSeek-V3) are dequantised while streaming
-        quant = quant if isinstance(quant, dict) else quant.to_dict()
-        fp8_block = tuple(quant.get("weight_block_size") or fp8_block)
-        del hf_config.quantization_config
+    fp8_block = take_fp8_block(hf_config)  # FP8 (DeepSeek-V3) is dequantised while streaming
     dtype = _resolve_dtype(hf_config, dtype)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with SafetensorsCheckpoint(path, fp8_block) as ckpt:
+    with ExitStack() as stack:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        fill_model(model, kt, lambda _model, arch: SafetensorsWeights(ckpt, arch), path=path, dtype=dtype,
-                   device=device, need_backward=need_backward, progress=progress)
+        if uses_store(kt):  # kt_weight_path, kt_non_expert_weight_path, kt_weight_lifecycle: ephemeral
+            def open_weights(model, arch):
+                return open_store_weights(path, kt, model, arch, fp8_block, stack, progress)
+        else:
+            ckpt = stack.enter_context(SafetensorsCheckpoint(path, fp8_block))
+
+            def open_weights(_model, arch):
+                return SafetensorsWeights(ckpt, arch)
+        fill_model(model, kt, open_weights, path=path, dtype=dtype, device=device, need_backward=need_backward,
+                   progress=progress)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
@@ -159,6 +175,9 @@ def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backwar
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    if uses_store(kt):
+        raise CheckpointError(f"{path}: kt_weight_path, kt_non_expert_weight_path and kt_weight_lifecycle: "
+                              "ephemeral take a safetensors model directory, not a .gguf file; remove them")
     with (nullcontext(file) if file is not None else GGUFFile(path)) as file:
         hf_config = gguf_config(file) if hf_config is None else copy.deepcopy(hf_config)  # as load_model does
         dtype = _resolve_dtype(hf_config, dtype or getattr(hf_config, "dtype", None) or torch.float32)

@@ -143,6 +143,9 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple:
         return self._entries[name].shape
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[name].dtype
+
     def expect(self, name: str, shape: tuple, what: str = "") -> None:
         if name not in self._entries:
             raise CheckpointError(f"{self.root}: tensor {name!r}{what} is missing from the checkpoint")
@@ -151,9 +154,9 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{self._entries[name].file}: tensor {name!r} has shape {list(got)}, the model "
                                   f"needs {list(shape)}; the checkpoint does not match config.json")
 
-    def _read_raw(self, name: str) -> torch.Tensor:
+    def _read_raw(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         entry = self._entries[name]
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        out = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
         nbytes = entry.end - entry.start
         if out.numel() * out.element_size() != nbytes:
             raise CheckpointError(f"{entry.file}: tensor {name!r} holds {nbytes} bytes, its shape needs "
@@ -164,6 +167,16 @@ class SafetensorsCheckpoint:
         if got != nbytes:
             raise CheckpointError(f"{entry.file}: short read of tensor {name!r} ({got} of {nbytes} bytes)")
         return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy the tensor (as ``get`` gives it) into ``out``: read straight into it when it is contiguous and of
+        the stored dtype (no intermediate copy), else through ``get``."""
+        entry = self._entries[name]
+        if out.dtype == entry.dtype and out.is_contiguous() and tuple(out.shape) == entry.shape and \
+                entry.dtype not in FP8_DTYPES:
+            self._read_raw(name, out)
+        else:
+            out.copy_(self.get(name))
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor; FP8 weights with a ``<name>_scale_inv`` block scale come back dequantised (fp32)."""
@@ -190,18 +203,23 @@ def checkpoint_names(ckpt: SafetensorsCheckpoint, arch) -> dict:
     return mapping
 
 
+def expert_dims(arch, module) -> tuple[int, int, int]:
+    """(experts E, intermediate I, hidden H) of one experts module (a dense MLP is one expert)."""
+    if arch.dense_mlp:
+        inter, hidden = module.gate_proj.weight.shape
+        return 1, inter, hidden
+    num_experts, rows, cols = module.gate_up_proj.shape
+    if getattr(module, "is_transposed", False):  # [E, H, 2I] instead of [E, 2I, H]
+        return num_experts, cols // 2, rows
+    return num_experts, rows // 2, cols
+
+
 class SafetensorsExpertSource:
     """Where one layer's experts are in the checkpoint, validated against the model's shapes."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, arch, layer: int, module):
         self.ckpt, self.arch, self.layer = ckpt, arch, layer
-        if arch.dense_mlp:
-            self.num_experts = 1
-            inter, hidden = module.gate_proj.weight.shape
-        else:
-            self.num_experts, rows, cols = module.gate_up_proj.shape
-            transposed = getattr(module, "is_transposed", False)  # [E, H, 2I] instead of [E, 2I, H]
-            hidden, inter = (rows, cols // 2) if transposed else (cols, rows // 2)
+        self.num_experts, inter, hidden = expert_dims(arch, module)
         self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # nn.Linear [out, in]
         self.module = module
         what = f" (routed experts of layer {layer})"
@@ -225,6 +243,12 @@ class SafetensorsExpertSource:
     def _fused(self, part: str) -> str:
         return self.arch.fused_expert_keys[part].format(layer=self.layer)
 
+    def keys(self) -> list[str]:
+        """The checkpoint tensors ``read`` reads."""
+        if self.layout == "fused":
+            return [self._fused("gate_up"), self._fused("down")]
+        return [self._key(part, expert) for expert in range(self.num_experts) for part in PARTS]
+
     def read(self, dtype) -> ExpertWeights:
         if self.layout == "fused":
             return canonical_weights(self.module, self.ckpt.get(self._fused("gate_up")).to(dtype),
@@ -232,7 +256,7 @@ class SafetensorsExpertSource:
         out = {p: torch.empty((self.num_experts, *self.shapes[p]), dtype=dtype) for p in PARTS}
         for expert in range(self.num_experts):
             for part in PARTS:
-                out[part][expert].copy_(self.ckpt.get(self._key(part, expert)))
+                self.ckpt.read_into(self._key(part, expert), out[part][expert])
         return ExpertWeights(out["gate"], out["up"], out["down"])
 
 
@@ -257,6 +281,17 @@ class SafetensorsWeights:
 
     def experts(self, layer: int, module) -> SafetensorsExpertSource:
         return SafetensorsExpertSource(self.ckpt, self.arch, layer, module)
+
+
+def take_fp8_block(hf_config) -> tuple[int, int]:
+    """The FP8 block size a checkpoint's ``quantization_config`` names (DeepSeek-V3: 128 x 128), removed from the
+    transformers config: ktcore dequantises FP8 weights while reading, so the model is built unquantised."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return (128, 128)
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    del hf_config.quantization_config
+    return tuple(quant.get("weight_block_size") or (128, 128))
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:

@@ -303,18 +303,19 @@ class AMXBF16Backend(ExpertBackendBase):
                      route.w_row.data_ptr(), ctx.h.data_ptr(), ctx.h.shape[1], _addr(ctx.ah), _addr(qd))
         prof("bwd.down")
         ggu = self._ws.get("ggu", (route.padded_rows, 2 * ip), torch.bfloat16)  # tiled like the gathered rows
-        ggu32 = self._ws.get("ggu32", (R, 2 * I), torch.float32) if lora_gu else None
+        # expert LoRA reads the same bf16 gradients as plain rows (a tiled row is not contiguous)
+        ggu_rows = self._ws.get("ggu_rows", (R, 2 * I), torch.bfloat16) if lora_gu else None
         grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
         eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
         eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
-                    off.data_ptr(), route.padded.data_ptr(), E, I, ggu.data_ptr(), _addr(ggu32), grad_w.data_ptr(),
+                    off.data_ptr(), route.padded.data_ptr(), E, I, ggu.data_ptr(), _addr(ggu_rows), grad_w.data_ptr(),
                     ctx.h.shape[1], route.order.data_ptr())
         prof("bwd.act")
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         qg = self._ws.get("qg", (R, lora_gu.rank), torch.float32) if lora_gu else None
         eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
                         packed.up.data_ptr(), E, H, I, parts.data_ptr(), lora_gu and lora_gu.native(_ext()),
-                        _addr(ggu32), ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
+                        _addr(ggu_rows), ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
                         route.row_tok.data_ptr(), _addr(ctx.ax), _addr(qg))
         prof("bwd.gate_up")
         gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32

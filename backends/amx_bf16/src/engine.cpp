@@ -365,24 +365,23 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
           std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + j * kCBlock + r * 32, ncol * 4);
       }
     }
-    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on these columns
-      lora::Scratch& ls = sched_.lora_scratch(pool, tid);  // of I, dB on this units' share of H
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = t.unit + j, ncol = std::min<int64_t>(32, I - p * 32);
-        const int64_t c0 = H * p / units, c1 = H * (p + 1) / units;
-        lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, p * 32, ncol, qd, w_row,
-                           P<const uint16_t>(h_) + p * 32, true, ldh, nullptr, off[t.e], off[t.e + 1], ls);
-        lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ah, w_row,
-                           P<const char>(gy) + c0 * lora::elem_bytes(gy_bf16), gy_bf16, gy_stride, tok, off[t.e],
-                           off[t.e + 1], ls);
-      }
+    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on its units'
+      // columns of I, dB on their share of H, each in one call (fewer, longer passes over the rows)
+      lora::Scratch& ls = sched_.lora_scratch(pool, tid);
+      const int64_t a0 = t.unit * 32, a1 = std::min(I, (t.unit + n) * 32);
+      const int64_t c0 = lora::share_begin(H, t.unit, units), c1 = lora::share_begin(H, t.unit + n, units);
+      lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, a0, a1 - a0, qd, w_row,
+                         P<const uint16_t>(h_) + a0, true, ldh, nullptr, off[t.e], off[t.e + 1], ls);
+      lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ah, w_row,
+                         P<const char>(gy) + c0 * lora::elem_bytes(gy_bf16), gy_bf16, gy_stride, tok, off[t.e],
+                         off[t.e + 1], ls);
     }
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/true, task, 1, 0, kBwdTaskRows, kBwdGroup);
 }
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, uintptr_t off_,
-                     uintptr_t poff_, int64_t E, int64_t I, uintptr_t ggu_, uintptr_t ggu32_, uintptr_t gradw_,
+                     uintptr_t poff_, int64_t E, int64_t I, uintptr_t ggu_, uintptr_t ggu_rows_, uintptr_t gradw_,
                      int64_t ldh, uintptr_t order_) {
   const int64_t* order = P<const int64_t>(order_);
   const int64_t Ip = rup(I, 32);
@@ -390,18 +389,21 @@ void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, ui
   const float* wrow = P<const float>(wrow_);
   const uint16_t* h = P<const uint16_t>(h_);
   uint16_t* ggu = P<uint16_t>(ggu_);
-  float* ggu32 = P<float>(ggu32_);
+  uint16_t* ggu_rows = P<uint16_t>(ggu_rows_);
   float* gradw = P<float>(gradw_);
   fill_tiled(P<const int64_t>(off_), P<const int64_t>(poff_), E, 2 * Ip, ggu, [&](int64_t r, uint16_t* o) {
     std::fill(o, o + 2 * Ip, 0);
-    gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o, o + Ip,
-                                       ggu32 ? ggu32 + r * 2 * I : nullptr, ggu32 ? ggu32 + r * 2 * I + I : nullptr);
+    gradw[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, wrow[r], o, o + Ip);
+    if (ggu_rows) {  // gate's I columns then up's, without the padding between them
+      std::memcpy(ggu_rows + r * 2 * I, o, I * 2);
+      std::memcpy(ggu_rows + r * 2 * I + I, o + Ip, I * 2);
+    }
   });
 }
 
 // Task: units = 32 output columns of H = forward k-blocks of gate/up (a group: contiguous in every stream).
 void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_, uintptr_t up_, int64_t E,
-                         int64_t H, int64_t I, uintptr_t parts_, const lora::Projection* lora, uintptr_t ggu32_,
+                         int64_t H, int64_t I, uintptr_t parts_, const lora::Projection* lora, uintptr_t ggu_rows_,
                          uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok_, uintptr_t ax_, uintptr_t qg_) {
   Dims d(E, H, I);
   const uint16_t* ggu = P<const uint16_t>(ggu_);
@@ -409,11 +411,12 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
   const ktamx::ALayout la = ktamx::ALayout::tiles(2 * d.Ip);
   const uint16_t *gate = P<const uint16_t>(gate_), *up = P<const uint16_t>(up_);
   float* parts = P<float>(parts_);
-  const float *ggu32 = P<const float>(ggu32_), *ax = P<const float>(ax_);
+  const uint16_t* ggu_rows = P<const uint16_t>(ggu_rows_);
+  const float* ax = P<const float>(ax_);
   float* qg = P<float>(qg_);
   const int32_t* tok = P<const int32_t>(tok_);
   const int64_t R = off[E], units = d.Hp / 32;
-  if (lora) lora_rank(off, E, lora->b, lora->rank, 2 * I, ggu32_, false, 2 * I, nullptr, qg);
+  if (lora) lora_rank(off, E, lora->b, lora->rank, 2 * I, ggu_rows_, true, 2 * I, nullptr, qg);
   auto task = [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
     const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
     float* out = parts + static_cast<int64_t>(pool) * R * H;
@@ -463,17 +466,25 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
           std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + j * kCBlock + r * 32, nc * 4);
       }
     }
-    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on these columns
-      lora::Scratch& ls = sched_.lora_scratch(pool, tid);  // of H, dB on this units' share of 2I
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t np = t.unit + j, nc = std::min<int64_t>(32, H - np * 32);
-        if (lora_pool(np) != pool) continue;
-        const int64_t c0 = 2 * I * np / units, c1 = 2 * I * (np + 1) / units;
-        lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, np * 32, nc, qg, nullptr,
-                           P<const char>(x) + np * 32 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
+    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on the columns of
+      // H of its units that this pool owns, dB on their share of 2I, a run of adjacent units in one call
+      lora::Scratch& ls = sched_.lora_scratch(pool, tid);
+      for (int64_t j = 0; j < n;) {
+        if (lora_pool(t.unit + j) != pool) {
+          ++j;
+          continue;
+        }
+        int64_t j1 = j + 1;  // the run of adjacent units this pool owns (all of them where there is one pool)
+        while (j1 < n && lora_pool(t.unit + j1) == pool) ++j1;
+        const int64_t a0 = (t.unit + j) * 32, a1 = std::min(H, (t.unit + j1) * 32);
+        const int64_t c0 = lora::share_begin(2 * I, t.unit + j, units);
+        const int64_t c1 = lora::share_begin(2 * I, t.unit + j1, units);
+        lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, a0, a1 - a0, qg, nullptr,
+                           P<const char>(x) + a0 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
                            off[t.e + 1], ls);
         lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ax, nullptr,
-                           ggu32 + c0, false, 2 * I, nullptr, off[t.e], off[t.e + 1], ls);
+                           ggu_rows + c0, true, 2 * I, nullptr, off[t.e], off[t.e + 1], ls);
+        j = j1;
       }
     }
   };

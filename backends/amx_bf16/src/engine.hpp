@@ -61,14 +61,16 @@ class Engine {
                 uintptr_t gh, const lora::Projection* lora, uintptr_t gy, bool gy_bf16, int64_t gy_stride,
                 uintptr_t tok, uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t qd);
   // per row: grad_w[order[r]] = dot(gh[r], h[r]); ggu[r] = [dL/dg | dL/du] (bf16, Ip each, tiled with padded
-  // rows like xs; padding rows zero); ggu32 fp32 [R, 2I] if set (expert LoRA needs it)
+  // rows like xs; padding rows zero); ggu_rows, if set (expert LoRA reads it), the same bf16 values as plain rows
+  // [R, 2I]
   void bwd_act(uintptr_t gh, uintptr_t h, uintptr_t g, uintptr_t u, uintptr_t w_row, uintptr_t off, uintptr_t poff,
-               int64_t E, int64_t I, uintptr_t ggu, uintptr_t ggu32, uintptr_t grad_w, int64_t ldh, uintptr_t order);
+               int64_t E, int64_t I, uintptr_t ggu, uintptr_t ggu_rows, uintptr_t grad_w, int64_t ldh,
+               uintptr_t order);
   // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I. With LoRA:
-  // first qg[r] = B_e ggu32[r] (fp32 [R, rank]), one pool per output block adds scale * A_e^T qg, and the tasks of
-  // each expert's first rows write dA = scale * sum_r qg_r x_r^T and dB = scale * sum_r ggu32_r ax_r^T.
+  // first qg[r] = B_e ggu_rows[r] (fp32 [R, rank]), one pool per output block adds scale * A_e^T qg, and the tasks of
+  // each expert's first rows write dA = scale * sum_r qg_r x_r^T and dB = scale * sum_r ggu_rows_r ax_r^T.
   void bwd_gate_up(uintptr_t ggu, uintptr_t off, uintptr_t poff, uintptr_t gate, uintptr_t up, int64_t E,
-                   int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora, uintptr_t ggu32, uintptr_t x,
+                   int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora, uintptr_t ggu_rows, uintptr_t x,
                    bool x_bf16, int64_t x_stride, uintptr_t tok, uintptr_t ax, uintptr_t qg);
 
   // memset without waking torch's CPU threads

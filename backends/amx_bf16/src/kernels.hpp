@@ -46,7 +46,7 @@ struct KernelTable {
   void (*silu_mul)(const float* g, const float* u, int64_t n, uint16_t* h);
   // backward of h = silu(g) * u for one row: gh = w * gh_raw; returns dot(gh_raw, h).
   float (*silu_mul_bwd)(const float* gh_raw, const uint16_t* h, const float* g, const float* u, int64_t n, float w,
-                        uint16_t* gg, uint16_t* gu, float* gg32, float* gu32);
+                        uint16_t* gg, uint16_t* gu);
   // dst[0:n] = bf16(src), dst[n:npad] = 0; src fp32 (src_bf16 = 0) or bf16
   void (*row_to_bf16)(const void* src, int src_bf16, int64_t n, int64_t npad, uint16_t* dst);
   // acc[0:n] (+)= a * x  (init: overwrite)

@@ -3,14 +3,18 @@ around the compiled quantisers and dequantisers."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
+from ktcore.plugins.threads import usable_cores
 
 # name -> ggml type number (GGMLQuantizationType)
 TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14, "bf16": 30}
 NAMES = {v: k for k, v in TYPES.items()}
 # formats pack() can quantise dense weights into (the rest are read from GGUF files as they are)
 QUANTISERS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k")
+PARALLEL_ELEMENTS = 1 << 22  # quantize_rows splits tensors of more elements than this over the cores
 DEFAULT_FORMAT = "q8_0"  # kt_expert_weight_format "gguf" for dense weights (auto keeps their float type)
 
 
@@ -60,7 +64,22 @@ def quantize_rows(w: torch.Tensor, fmt) -> torch.Tensor:
         src = torch.nn.functional.pad(src, (0, kp - k))
     src = src.contiguous()
     out = torch.empty(src.shape[0], row_bytes(k, t), dtype=torch.uint8)
-    _ext().quantize(t, src.data_ptr(), src.numel(), out.data_ptr())
+    # rows are quantised independently: large tensors (a layer's experts) in row ranges on every usable core (the
+    # extension releases the GIL), so writing a Q4_K model is not one core's work
+    rows = src.shape[0]
+    parts = min(usable_cores(), max(1, src.numel() // PARALLEL_ELEMENTS))
+    bounds = [rows * i // parts for i in range(parts + 1)]
+
+    def part(i: int) -> None:
+        a, b = bounds[i], bounds[i + 1]
+        if b > a:
+            _ext().quantize(t, src[a].data_ptr(), (b - a) * kp, out[a].data_ptr())
+
+    if parts == 1:
+        part(0)
+    else:
+        with ThreadPoolExecutor(parts) as pool:
+            list(pool.map(part, range(parts)))
     return out.reshape(*lead, out.shape[-1])
 
 

@@ -5,7 +5,9 @@ metadata key and every non-expert tensor is copied unchanged (quantised tensors 
 routed experts (the family's ``gguf_expert_keys``: ``blk.L.ffn_{gate,up,down}_exps.weight``, or for dense
 Llama the MLPs ``blk.L.ffn_*``, which ktcore runs as one expert) are written as ``--format`` blocks.
 ``general.file_type`` is left as it was. Rows whose length is not a multiple of the block size (e.g. Q4_K with
-I = 1408) fall back to Q8_0, as llama.cpp's quantiser falls back for such rows. Load it with
+I = 1408) fall back to Q8_0, as llama.cpp's quantiser falls back for such rows (``expert_block_format``). Every
+tensor header is written first and then the data tensor by tensor, so memory holds one layer's experts (as
+float32 and as blocks) at most, whatever the model's size. Load it with
 ``ktcore.load_model(path, {"kt_backend": "llamafile"})``: the experts go into the backend as the file's
 blocks, read from the mmap, never dequantised.
 """
@@ -39,25 +41,39 @@ def convert_gguf(src, out_dir, fmt: str = "q4_k", progress=None) -> dict:
         experts = {key.format(layer=layer) for key in keys for layer in range(int(f.arch_meta("block_count")))}
         writer = gguf.GGUFWriter(tmp, f.architecture)
         f.copy_metadata_to(writer)
+        # every tensor's header first, then the data one tensor at a time: one layer's blocks in memory, never all
         for name, t in f.tensors.items():
             if name in experts:
-                value = f.get(name).float()  # one tensor (one layer's experts) at a time
-                k = value.shape[-1]
-                use = fmt if k % B.block_info(fmt)[0] == 0 else "q8_0"
-                if k % B.block_info(use)[0]:
-                    use = "f16"
-                blocks = B.quantize_rows(value, use).numpy()
-                qtype = gguf.GGMLQuantizationType[use.upper()]
-                writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+                shape = f.shape(name)
+                use = expert_block_format(fmt, shape[-1])
                 summary["experts"][name] = use
-                if progress:
-                    progress(name, use)
+                blocks = (*shape[:-1], B.row_bytes(shape[-1], use))
+                writer.add_tensor_info(name, blocks, np.dtype(np.uint8), int(np.prod(blocks)),
+                                       raw_dtype=gguf.GGMLQuantizationType[use.upper()])
             else:
-                data = np.asarray(t.data)
-                writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+                data = np.asarray(t.data)  # a view of the mapping: nothing is read here
+                writer.add_tensor_info(name, data.shape, data.dtype, int(t.n_bytes), raw_dtype=t.tensor_type)
                 summary["copied"] += 1
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for name, t in f.tensors.items():
+            if name in experts:
+                use = summary["experts"][name]
+                writer.write_tensor_data(B.quantize_rows(f.get(name).float(), use).numpy())
+                if progress:
+                    progress(name, use)
+            else:
+                writer.write_tensor_data(np.asarray(t.data))
         writer.close()
     return summary
+
+
+def expert_block_format(fmt: str, k: int) -> str:
+    """The block type rows of length ``k`` get for ``fmt``: Q8_0 where ``k`` is no multiple of the format's block
+    (Q4_K's 256, e.g. DeepSeek-V2-Lite's I = 1408), as llama.cpp's quantiser falls back for such rows; F16 where
+    even Q8_0's 32 does not divide it."""
+    for use in (fmt, "q8_0"):
+        if k % B.block_info(use)[0] == 0:
+            return use
+    return "f16"

@@ -114,3 +114,14 @@ def test_padding_rows_not_a_block_multiple(name):
     back = B.dequantize_rows(B.quantize_rows(x, name), name, 37)
     assert back.shape == (3, 37)
     assert torch.equal(back, x if name == "f32" else round_trip(x, name))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k"])
+def test_rows_split_over_cores_give_the_same_blocks(name, monkeypatch):
+    """quantize_rows over several threads (row ranges) writes exactly the blocks one call writes, the last range
+    included (a wrong offset or an off-by-one range would leave rows unwritten or shifted)."""
+    w = torch.randn(37, 512, generator=torch.Generator().manual_seed(0))
+    whole = B.quantize_rows(w, name)
+    monkeypatch.setattr(B, "PARALLEL_ELEMENTS", 512 * 5)  # 7 row ranges of 5-6 rows
+    monkeypatch.setattr(B, "usable_cores", lambda: 7)
+    assert torch.equal(B.quantize_rows(w, name), whole)

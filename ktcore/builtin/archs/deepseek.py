@@ -30,6 +30,7 @@ def _deepseek(name: str, hf_class: str) -> ArchSpec:
     return ArchSpec(name=name, hf_architectures=(hf_class,), model_types=(name,), experts_module=EXPERTS,
                     expert_keys=PER_EXPERT_KEYS, fused_expert_keys=FUSED_KEYS, default_lora_targets=_ATTENTION,
                     gguf_architecture="deepseek2", gguf_config="ktcore.builtin.archs.gguf_configs:deepseek",
+                    gguf_metadata="ktcore.builtin.archs.gguf_metadata:deepseek",
                     gguf_extra_names=(GGUF_DENSE_MLP, _GGUF_ROUTER_BIAS), shared_experts_module=_SHARED,
                     prepare_model="ktcore.builtin.archs.deepseek:prepare_model")
 

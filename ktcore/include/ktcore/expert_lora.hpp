@@ -49,14 +49,13 @@ struct Projection {
 class Scratch {
  public:
   float* block(int64_t n) { return grow(block_, n); }
-  float* row(int64_t n) { return grow(row_, n); }
 
  private:
   static float* grow(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     return v.data();
   }
-  std::vector<float> block_, row_;
+  std::vector<float> block_;
 };
 
 // Rows of one expert per task of the prologue: each task first makes an fp32 copy of the expert's factor where it is
@@ -70,6 +69,10 @@ inline std::vector<std::array<int64_t, 3>> rank_tasks(const int64_t* off, int64_
     for (int64_t r = off[e]; r < off[e + 1]; r += kRankRows) tasks.push_back({e, r, std::min(off[e + 1], r + kRankRows)});
   return tasks;
 }
+
+// Where part p of `parts` near-equal shares of n columns starts (p = parts: n). Shares start at multiples of 16, so a
+// gradient's share runs whole vectors (a ragged end only at column n).
+inline int64_t share_begin(int64_t n, int64_t p, int64_t parts) { return p >= parts ? n : n * p / parts / 16 * 16; }
 
 // Element (bytes) size of a fp32 or bf16 row.
 inline int64_t elem_bytes(bool bf16) { return bf16 ? 2 : 4; }
@@ -87,16 +90,8 @@ inline void rank_rows(const Leaves& L, const Factor& f, int rank, int64_t e, int
     fb = b;
     ldf = n;
   }
-  for (int64_t r = r0; r < r1; ++r) {
-    const char* row = static_cast<const char*>(src) + (rows ? rows[r] : r) * lds * elem_bytes(src_bf16);
-    const float* x = reinterpret_cast<const float*>(row);
-    if (src_bf16) {
-      float* t = s.row(n);
-      L.to_f32(row, 1, n, t);
-      x = t;
-    }
-    L.rank_dot(fb, ldf, rank, x, n, q + r * rank, accumulate);
-  }
+  const char* first = static_cast<const char*>(src) + (rows ? 0 : r0 * lds * elem_bytes(src_bf16));
+  L.rank_dot(fb, ldf, rank, first, src_bf16, lds, rows ? rows + r0 : nullptr, r1 - r0, n, q + r0 * rank, accumulate);
 }
 
 // out[i * ldo + j] += scale * sum over k of F_e[k, c0 + j] * q[(r0 + i) * rank + k], i < m, j < nc.
@@ -113,15 +108,13 @@ inline void expand_rows(const Leaves& L, const Factor& f, int rank, float scale,
 inline void grad_columns(const Leaves& L, const Factor& grad, int rank, float scale, int64_t e, int64_t c0,
                          int64_t nc, const float* u, const float* wt, const void* v, bool v_bf16, int64_t ldv,
                          const int32_t* rows, int64_t r0, int64_t r1, Scratch& s) {
-  float* acc = s.block(rank * kCols);
+  if (nc <= 0) return;
+  float* acc = s.block(rank * nc);
+  std::fill(acc, acc + rank * nc, 0.f);
   const char* v0 = static_cast<const char*>(v) + (rows ? 0 : r0 * ldv) * elem_bytes(v_bf16);
-  for (int64_t j0 = 0; j0 < nc; j0 += kCols) {
-    const int64_t w = std::min(kCols, nc - j0);
-    std::fill(acc, acc + rank * w, 0.f);
-    L.outer(u + r0 * rank, rank, wt ? wt + r0 : nullptr, rank, v0 + j0 * elem_bytes(v_bf16), v_bf16, ldv,
-            rows ? rows + r0 : nullptr, r1 - r0, w, acc, w);
-    L.store(acc, w, scale, rank, w, grad.at_mut(e, c0 + j0), grad.bf16, grad.s_rank, grad.s_col);
-  }
+  L.outer(u + r0 * rank, rank, wt ? wt + r0 : nullptr, rank, v0, v_bf16, ldv, rows ? rows + r0 : nullptr, r1 - r0,
+          nc, acc, nc);
+  L.store(acc, nc, scale, rank, nc, grad.at_mut(e, c0), grad.bf16, grad.s_rank, grad.s_col);
 }
 
 }  // namespace lora

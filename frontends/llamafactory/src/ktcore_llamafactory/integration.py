@@ -130,6 +130,7 @@ def loader_for(cfg: TrainConfig):
         from transformers import AutoModelForCausalLM
 
         from ktcore.config import resolve_model_path
+        from ktcore.model.lm_loss import chunk_lm_loss
         from ktcore.frontends.skeleton import count_parameters, describe_parameters
         from ktcore.weights.model_path import is_gguf, load_plain_model
 
@@ -143,6 +144,8 @@ def loader_for(cfg: TrainConfig):
         weights = resolve_model_path(cfg, hub_ok=True)  # a .gguf: LLaMA-Factory read its metadata directory
         if cfg.use_kt:
             model = load_kt_pretrained_model(config, model_args, cfg.kt, path=weights if is_gguf(weights) else None)
+            if is_trainable:
+                chunk_lm_loss(model)  # the trainers read only the loss of a training forward
         elif is_gguf(weights):
             model = load_plain_model(weights, dtype=_dtype(model_args), config=config)
         else:

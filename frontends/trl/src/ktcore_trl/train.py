@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from ktcore.model.checkpointing import checkpoint_non_experts
+from ktcore.model.lm_loss import chunk_lm_loss
 from ktcore.model.placeholder import hide_from_ddp
 from ktcore.plugins.threads import is_main_rank
 from ktcore.config import ConfigError, TrainConfig
@@ -395,6 +396,8 @@ def build_trainer(cfg: TrainConfig, tokenizer, dataset, callbacks=()):
 
     set_seed(cfg.seed)
     base = load_base_model(cfg)
+    if cfg.use_kt:
+        chunk_lm_loss(base)  # TRL's own fused LM head, where it has one, bypasses it
     if cfg.gradient_checkpointing and cfg.use_kt:
         checkpoint_non_experts(base)
     if cfg.stage == "dpo" and not cfg.adapter_name_or_path:

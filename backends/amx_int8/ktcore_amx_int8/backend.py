@@ -1,0 +1,365 @@
+"""The amx_int8 expert backend: torch glue around the compiled kernels in ``ktcore_amx_int8._ext``.
+
+Weights are int8 codes with one float32 scale per output channel and expert (``ktcore.weights.int8``,
+``int8-sym-channel-v1``), packed into AMX INT8 B-tile blocks. Per call C++ sorts the routing by expert, quantises
+each routed row (symmetric, one scale per row), multiplies codes by codes in int32 (AMX TDPBSSD for many rows per
+expert, AVX-512 VNNI for few) and dequantises in each output block's epilogue: gate and up with the SiLU(gate) * up
+epilogue, then h quantised per row for the down projection, then the combine with the routing weights in fp32.
+Backward multiplies by W^T from the forward's own codes (transposed blocks derived per task, nothing resident):
+the weight scales are folded into the gradient rows before they are quantised, so no second rounding of the
+weights enters. Expert LoRA (fp32/bf16) runs inside the same phases (ktcore/include/ktcore/expert_lora.hpp).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, hugepages
+from ktcore.experts.native_lora import native_grads, native_projections
+from ktcore.experts.saved_buffers import Lease, SavedBufferPool
+from ktcore.weights.int8 import LAYOUT, Int8Experts
+
+KERNELS = ("auto", "amx", "vnni", "portable")
+
+
+def _ext():
+    from . import _ext as ext
+
+    return ext
+
+
+def _rup(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+def _ld(n: int) -> int:
+    """Row stride (bytes) of an int8 row buffer of n columns: not a multiple of 1 KiB, so the 16 rows of a tile load
+    do not all fall into the same L1 cache sets."""
+    return n + 64 if n % 1024 == 0 else n
+
+
+@dataclass
+class Int8Packed:
+    """One layer's experts: codes in the kernels' block layout (gate/up ``[E, Ip/16, Hp/64, 1024]``, down
+    ``[E, Hp/16, Ip/64, 1024]``, int8; Hp, Ip = H, I rounded up to 64) and float32 scales per output channel
+    (gate/up ``[E, I]``, down ``[E, H]``)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_scales: torch.Tensor
+    up_scales: torch.Tensor
+    down_scales: torch.Tensor
+    num_experts: int
+    hidden: int
+    inter: int
+    activation: str = "silu"
+    layout: str = LAYOUT
+
+    @property
+    def hidden_padded(self) -> int:
+        return _rup(self.hidden, 64)
+
+    @property
+    def inter_padded(self) -> int:
+        return _rup(self.inter, 64)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.gate, self.up, self.down, self.gate_scales, self.up_scales,
+                                      self.down_scales))
+
+
+@dataclass
+class _Route:
+    T: int
+    K: int
+    R: int
+    offsets: torch.Tensor  # int64 [E+1]
+    padded: torch.Tensor  # int64 [E+1]: expert e's rows start at padded[e] in the quantised row buffers
+    row_tok: torch.Tensor  # int32 [R]
+    row_of: torch.Tensor  # int32 [T*K], -1 for no expert
+    order: torch.Tensor  # int64 [R]: flat slot index of each row
+    w_flat: torch.Tensor  # fp32 [T*K]
+    w_row: torch.Tensor  # fp32 [R]
+
+    @property
+    def padded_rows(self) -> int:
+        return int(self.padded[-1])
+
+
+@dataclass
+class Int8Saved:
+    x: torch.Tensor  # [T, H] fp32 or bf16, contiguous: the token rows
+    route: _Route
+    g: torch.Tensor  # fp32 [R, I] gate pre-activation (LoRA included)
+    u: torch.Tensor  # fp32 [R, I]
+    h: torch.Tensor  # fp32 [R, Ip] silu(g) * u
+    ax: Optional[torch.Tensor]  # fp32 [R, r]: A x of the gate_up LoRA (None without it)
+    ah: Optional[torch.Tensor]  # fp32 [R, r]: A h of the down LoRA
+    w_dtype: torch.dtype
+    lease: Lease  # owns g, u, h, ax and ah: they go back to the backend's pool with this context
+
+
+def _addr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [T, H] as the kernels read token rows: fp32 or bf16, contiguous."""
+    return (t if t.dtype in (torch.float32, torch.bfloat16) else t.float()).contiguous()
+
+
+class _Workspace(threading.local):
+    """Per-thread scratch buffers that live only within one forward or backward call, kept between calls (a fresh
+    large tensor is page-faulted in on every call). Buffers grow to the largest call seen."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            buf = torch.empty(n + n // 4, dtype=dtype)  # some headroom: the next batch may be a little larger
+            self.buffers[name] = buf
+        return buf[:n].view(shape)
+
+
+class AMXInt8Backend(ExpertBackendBase):
+    """Int8 expert backend. ``kernels`` (or ``KTCORE_AMX_INT8_KERNELS``): ``auto`` (AMX INT8 where this process may
+    use it, else AVX-512 VNNI), ``amx``, ``vnni``, or ``portable`` (plain C++, for tests)."""
+
+    name = "amx_int8"
+
+    def __init__(self, config=None, kernels: Optional[str] = None):
+        super().__init__(config)
+        kernels = kernels or os.environ.get("KTCORE_AMX_INT8_KERNELS", "auto")
+        if kernels not in KERNELS:
+            raise ValueError(f"KTCORE_AMX_INT8_KERNELS={kernels!r}: choose one of {', '.join(KERNELS)}")
+        kt = self.config
+        threads = kt.kt_num_threads or len(os.sched_getaffinity(0))
+        pools = kt.kt_threadpool_count if kt.kt_tp_enabled else 1
+        try:
+            self._engine = _ext().Engine(int(threads), int(pools), kernels)
+        except RuntimeError as exc:
+            raise RuntimeError(f"the amx_int8 backend cannot run here: {exc}; choose kt_backend: torch with "
+                               "kt_expert_weight_format: bf16 on this CPU") from None
+        self._ws = _Workspace()
+        self._saved = SavedBufferPool()
+
+    @property
+    def num_threads(self) -> int:
+        return self._engine.num_threads
+
+    @property
+    def num_pools(self) -> int:
+        return self._engine.num_pools
+
+    @property
+    def kernels(self) -> str:
+        return self._engine.kernels
+
+    # -- pack ----------------------------------------------------------------------------------------------
+    def _check(self, activation: str) -> None:
+        if activation != "silu":
+            raise ValueError(f"the amx_int8 backend implements the silu activation only, not {activation!r}; "
+                             "use kt_backend: torch for this model")
+        fmt = self.config.kt_expert_weight_format
+        if fmt not in ("auto", "int8"):
+            raise ValueError(f"the amx_int8 backend packs int8 experts, not {fmt!r}; set "
+                             "kt_config.kt_expert_weight_format to int8")
+
+    def _codes_buffer(self, e: int, n: int, k: int) -> torch.Tensor:
+        return hugepages.empty(e * _rup(n, 64) * _rup(k, 64), torch.int8)
+
+    def pack(self, weights: ExpertWeights, activation: str = "silu") -> Int8Packed:
+        """Quantise dense experts (int8-sym-channel-v1: the codes and scales of ``ktcore.weights.int8.quantize``)."""
+        weights.validate()
+        self._check(activation)
+        e, i, h = weights.gate.shape
+
+        def quantize(w: torch.Tensor, n: int, k: int):
+            codes, scales = self._codes_buffer(e, n, k), torch.empty(e, n, dtype=torch.float32)
+            per = _rup(n, 64) * _rup(k, 64)
+            for e0 in range(0, e, 16):  # a few experts at a time: bounded extra memory
+                src = w[e0:e0 + 16].detach().to("cpu")
+                src = (src if src.dtype in (torch.float32, torch.bfloat16) else src.float()).contiguous()
+                self._engine.quantize_weights(src.data_ptr(), src.dtype == torch.bfloat16, src.shape[0], n, k,
+                                              codes[e0 * per:].data_ptr(), scales[e0:].data_ptr())
+            return codes, scales
+
+        (gc, gs), (uc, us), (dc, ds) = quantize(weights.gate, i, h), quantize(weights.up, i, h), \
+            quantize(weights.down, h, i)
+        return Int8Packed(gc, uc, dc, gs, us, ds, e, h, i, activation)
+
+    def pack_source(self, source, activation: str = "silu") -> Optional[Int8Packed]:
+        """The int8 codes and scales of a source that holds them (``read_int8()``, the packed store) as they are;
+        None for any other source (then ``pack`` quantises its dense weights)."""
+        read_int8 = getattr(source, "read_int8", None)
+        if read_int8 is None:
+            return None
+        self._check(activation)
+        return self.pack_int8(read_int8(), activation)
+
+    def pack_int8(self, experts: Int8Experts, activation: str = "silu") -> Int8Packed:
+        (gc, gs), (uc, us), (dc, ds) = experts.gate, experts.up, experts.down
+        e, i, h = gc.shape
+        expected = {"gate": ((e, i, h), (e, i)), "up": ((e, i, h), (e, i)), "down": ((e, h, i), (e, h))}
+        for name, (codes, scales) in (("gate", experts.gate), ("up", experts.up), ("down", experts.down)):
+            want_c, want_s = expected[name]
+            if (codes.dtype != torch.int8 or scales.dtype != torch.float32 or tuple(codes.shape) != want_c
+                    or tuple(scales.shape) != want_s):
+                raise ValueError(f"int8 experts ({LAYOUT}): {name} has {codes.dtype} codes {tuple(codes.shape)} and "
+                                 f"{scales.dtype} scales {tuple(scales.shape)}; expected int8 {want_c} and float32 "
+                                 f"{want_s}")
+
+        def pack_codes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+            dst = self._codes_buffer(e, n, k)
+            src = codes.contiguous()
+            self._engine.pack_codes(src.data_ptr(), e, n, k, dst.data_ptr())
+            return dst
+
+        return Int8Packed(pack_codes(gc, i, h), pack_codes(uc, i, h), pack_codes(dc, h, i),
+                          gs.contiguous().clone(), us.contiguous().clone(), ds.contiguous().clone(), e, h, i,
+                          activation)
+
+    def unpack(self, packed: Int8Packed) -> Int8Experts:
+        """The codes and scales ``packed`` holds, as ``Int8Experts`` (tests and tools; not on the compute path)."""
+        e, h, i = packed.num_experts, packed.hidden, packed.inter
+
+        def codes(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
+            out = torch.empty(e, n, k, dtype=torch.int8)
+            self._engine.unpack_codes(buf.data_ptr(), e, n, k, out.data_ptr())
+            return out
+
+        return Int8Experts((codes(packed.gate, i, h), packed.gate_scales.clone()),
+                           (codes(packed.up, i, h), packed.up_scales.clone()),
+                           (codes(packed.down, h, i), packed.down_scales.clone()))
+
+    # -- routing and row quantisation ----------------------------------------------------------------------
+    def _route(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> _Route:
+        # counting sort in C++: no torch kernels here, so torch's own CPU threads stay asleep
+        T, K = topk_ids.shape
+        n = T * K
+        ids = topk_ids.to(torch.int64).contiguous()
+        w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
+        offsets = torch.empty(num_experts + 1, dtype=torch.int64)
+        padded = torch.empty(num_experts + 1, dtype=torch.int64)
+        row_tok = torch.empty(n, dtype=torch.int32)
+        row_of = torch.empty(n, dtype=torch.int32)
+        order = torch.empty(n, dtype=torch.int64)
+        w_row = torch.empty(n, dtype=torch.float32)
+        R = self._engine.route(ids.data_ptr(), T, K, num_experts, w_flat.data_ptr(), offsets.data_ptr(),
+                               padded.data_ptr(), row_tok.data_ptr(), row_of.data_ptr(), order.data_ptr(),
+                               w_row.data_ptr())
+        return _Route(T, K, R, offsets, padded, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
+
+    def _quantize(self, name: str, route: _Route, src: torch.Tensor, n: int, npad: int, by_token: bool,
+                  mul: Optional[torch.Tensor] = None):
+        """(codes, lda, scales): the routed rows of src (token rows when by_token, else row r of src) quantised per
+        row into a workspace buffer, each multiplied by its expert's row of mul first when given."""
+        lda = _ld(npad)
+        codes = self._ws.get(name, (route.padded_rows, lda), torch.int8)
+        scales = self._ws.get(name + "_scales", (route.R,), torch.float32)
+        self._engine.quantize_rows(src.data_ptr(), src.dtype == torch.bfloat16, src.stride(0), n, npad,
+                                   route.offsets.data_ptr(), route.padded.data_ptr(), len(route.offsets) - 1,
+                                   route.row_tok.data_ptr() if by_token else 0, _addr(mul), codes.data_ptr(), lda,
+                                   scales.data_ptr())
+        return codes, lda, scales
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, packed: Int8Packed, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA] = None,
+                save: bool = False):
+        if x.dim() != 2 or x.shape[1] != packed.hidden:
+            raise ValueError(f"x must be [T, {packed.hidden}], got {tuple(x.shape)}")
+        eng = self._engine
+        E, H, I = packed.num_experts, packed.hidden, packed.inter
+        hp, ip = packed.hidden_padded, packed.inter_padded
+        lora_gu, lora_dn = native_projections(lora, E, H, I)
+        route = self._route(topk_ids, topk_weights, E)
+        R, off, poff = route.R, route.offsets, route.padded
+        x_rows = _token_rows(x)
+        xq, lda_x, xs = self._quantize("xq", route, x_rows, H, hp, by_token=True)
+        lease = self._saved.lease() if save else None
+
+        def buffer(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            # saved for backward: leased from the pool; needed only within this call: the workspace's
+            return lease.empty(shape, dtype) if save else self._ws.get(name, shape, dtype)
+
+        h = buffer("h", (R, ip), torch.float32)
+        g = buffer("g", (R, I), torch.float32) if save else None
+        u = buffer("u", (R, I), torch.float32) if save else None
+        ax = buffer("ax", (R, lora_gu.rank), torch.float32) if lora_gu else None
+        eng.gate_up(xq.data_ptr(), lda_x, xs.data_ptr(), off.data_ptr(), poff.data_ptr(), packed.gate.data_ptr(),
+                    packed.gate_scales.data_ptr(), packed.up.data_ptr(), packed.up_scales.data_ptr(), E, H, I,
+                    h.data_ptr(), ip, _addr(g), _addr(u), lora_gu and lora_gu.native(_ext()), x_rows.data_ptr(),
+                    x_rows.dtype == torch.bfloat16, x_rows.stride(0), route.row_tok.data_ptr(), _addr(ax))
+        hq, lda_h, hs = self._quantize("hq", route, h, I, ip, by_token=False)
+        ah = buffer("ah", (R, lora_dn.rank), torch.float32) if lora_dn else None
+        parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
+        eng.down(hq.data_ptr(), lda_h, hs.data_ptr(), off.data_ptr(), poff.data_ptr(), packed.down.data_ptr(),
+                 packed.down_scales.data_ptr(), E, H, I, parts.data_ptr(), lora_dn and lora_dn.native(_ext()),
+                 h.data_ptr(), ip, _addr(ah))
+        out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        y = torch.empty(route.T, H, dtype=out_dtype)
+        eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
+                    route.T, route.K, y.data_ptr(), out_dtype == torch.bfloat16)
+        if out_dtype != x.dtype:
+            y = y.to(x.dtype)
+        ctx = Int8Saved(x_rows, route, g, u, h, ax, ah, topk_weights.dtype, lease) if save else None
+        return y, ctx
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def backward(self, packed: Int8Packed, ctx: Int8Saved, grad_y, lora: Optional[ExpertLoRA] = None):
+        if ctx is None:
+            raise ValueError("backward needs the context of forward(..., save=True)")
+        eng = self._engine
+        E, H, I = packed.num_experts, packed.hidden, packed.inter
+        hp, ip = packed.hidden_padded, packed.inter_padded
+        route = ctx.route
+        R, T, K, off, poff = route.R, route.T, route.K, route.offsets, route.padded
+        lora_gu, lora_dn = native_projections(lora, E, H, I, off)
+        if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
+            raise ValueError("backward's expert LoRA must be the one its forward ran with")
+
+        gy_rows = _token_rows(grad_y)
+        # gy . (codes * scales) = (gy * scales) . codes: the down scales go into the rows before they are quantised
+        gyq, lda_gy, gys = self._quantize("gyq", route, gy_rows, H, hp, by_token=True, mul=packed.down_scales)
+        gh = self._ws.get("gh", (R, I), torch.float32)
+        qd = self._ws.get("qd", (R, lora_dn.rank), torch.float32) if lora_dn else None
+        # gh (and the LoRA's part of it) is taken before the routing weights; bwd_act applies them
+        eng.bwd_down(gyq.data_ptr(), lda_gy, gys.data_ptr(), off.data_ptr(), poff.data_ptr(), packed.down.data_ptr(),
+                     E, H, I, gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(),
+                     gy_rows.dtype == torch.bfloat16, gy_rows.stride(0), route.row_tok.data_ptr(),
+                     route.w_row.data_ptr(), ctx.h.data_ptr(), ip, _addr(ctx.ah), _addr(qd))
+        lda_gg = _ld(2 * ip)
+        ggq = self._ws.get("ggq", (route.padded_rows, lda_gg), torch.int8)
+        ggs = self._ws.get("ggs", (R,), torch.float32)
+        ggu32 = self._ws.get("ggu32", (R, 2 * I), torch.float32)
+        grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
+        eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
+        eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ip, ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
+                    off.data_ptr(), poff.data_ptr(), E, I, packed.gate_scales.data_ptr(), packed.up_scales.data_ptr(),
+                    ggq.data_ptr(), lda_gg, ggs.data_ptr(), ggu32.data_ptr(), grad_w.data_ptr(),
+                    route.order.data_ptr())
+        parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
+        qg = self._ws.get("qg", (R, lora_gu.rank), torch.float32) if lora_gu else None
+        eng.bwd_gate_up(ggq.data_ptr(), lda_gg, ggs.data_ptr(), off.data_ptr(), poff.data_ptr(),
+                        packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I, parts.data_ptr(),
+                        lora_gu and lora_gu.native(_ext()), ggu32.data_ptr(), ctx.x.data_ptr(),
+                        ctx.x.dtype == torch.bfloat16, ctx.x.stride(0), route.row_tok.data_ptr(), _addr(ctx.ax),
+                        _addr(qg))
+        gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        grad_x = torch.empty(T, H, dtype=gx_dtype)
+        eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),
+                    gx_dtype == torch.bfloat16)
+        grad_w = grad_w.view(T, K).to(ctx.w_dtype)
+        grads = native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
+        return grad_x.to(grad_y.dtype), grad_w, grads

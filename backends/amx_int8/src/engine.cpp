@@ -1,0 +1,397 @@
+// The amx_int8 engine: packing and quantising weights, routing, quantising activation rows, and the forward and
+// backward phases of one MoE layer, each phase a set of tasks on the scheduler's pools calling the kernel table.
+// Compiled with baseline x86-64 flags: AVX-512 / AMX code lives in kernels_vnni.cpp and kernels_amx.cpp and is
+// reached only through the table kernels_for() hands out.
+#include "engine.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <vector>
+
+#include "select.hpp"
+
+namespace ktint8 {
+namespace {
+
+// Shapes of one layer's packed experts (kernels.hpp's block layout).
+struct Dims {
+  int64_t E, H, I, Hp, Ip;
+  Dims(int64_t e, int64_t h, int64_t i) : E(e), H(h), I(i), Hp(rup(h, kBlockK)), Ip(rup(i, kBlockK)) {}
+  // gate/up: W [Ip, Hp], Ip/16 streams of Hp/64 blocks; down: W [Hp, Ip]
+  int64_t gu_kb() const { return Hp / kBlockK; }
+  int64_t dn_kb() const { return Ip / kBlockK; }
+  const int8_t* gu_expert(const int8_t* w, int64_t e) const { return w + e * (Ip / 16) * gu_kb() * kBlockBytes; }
+  const int8_t* dn_expert(const int8_t* w, int64_t e) const { return w + e * (Hp / 16) * dn_kb() * kBlockBytes; }
+  const int8_t* gu_stream(const int8_t* w, int64_t e, int64_t nb) const {
+    return gu_expert(w, e) + nb * gu_kb() * kBlockBytes;
+  }
+  const int8_t* dn_stream(const int8_t* w, int64_t e, int64_t nb) const {
+    return dn_expert(w, e) + nb * dn_kb() * kBlockBytes;
+  }
+};
+
+// Rows of one expert per task: a thread runs the output units of a task on the same rows, which stay in its L2.
+// Backward tasks take more rows: each first derives the transposed weight blocks it needs.
+constexpr int64_t kFwdTaskRows = 256;
+constexpr int64_t kBwdTaskRows = 1024;
+
+// Row n (Kp codes) of a matrix into its stream (the 16 rows of n's block row), block layout.
+void put_row(const int8_t* row, int64_t n, int64_t Kp, int8_t* stream) {
+  for (int64_t k = 0; k < Kp; ++k) stream[k / kBlockK * kBlockBytes + block_offset(n, k)] = row[k];
+}
+
+// Expert and row of padded row p (-1: a padding row).
+std::pair<int64_t, int64_t> source_row(int64_t p, const int64_t* off, const int64_t* poff, int64_t E) {
+  const int64_t e = std::upper_bound(poff, poff + E + 1, p) - poff - 1;
+  const int64_t i = p - poff[e];
+  return {e, i < off[e + 1] - off[e] ? off[e] + i : -1};
+}
+
+}  // namespace
+
+Engine::Engine(int num_threads, int num_pools, const std::string& kernels)
+    : K_(kernels_for(kernels)), sched_(num_threads > 0 ? num_threads : default_threads(), num_pools) {}
+
+void Engine::quantize_weights(uintptr_t src, bool src_bf16, int64_t E, int64_t N, int64_t K, uintptr_t dst_,
+                              uintptr_t scales_) {
+  const int64_t NB = rup(N, kBlockK) / 16, Kp = rup(K, kBlockK), es = src_bf16 ? 2 : 4;
+  int8_t* dst = P<int8_t>(dst_);
+  float* scales = P<float>(scales_);
+  sched_.first_pool().parallel_for(E * NB, [&](int64_t b, int64_t end, int) {
+    std::vector<int8_t> row(Kp);
+    for (int64_t s = b; s < end; ++s) {
+      const int64_t e = s / NB, nb = s % NB;
+      for (int64_t n = nb * 16; n < nb * 16 + 16; ++n) {
+        if (n < N)
+          scales[e * N + n] = K_->quantize_row(P<const char>(src) + (e * N + n) * K * es, src_bf16, nullptr, K, Kp,
+                                               row.data());
+        else
+          std::fill(row.begin(), row.end(), 0);
+        put_row(row.data(), n, Kp, dst + s * (Kp / kBlockK) * kBlockBytes);
+      }
+    }
+  });
+}
+
+void Engine::pack_codes(uintptr_t codes_, int64_t E, int64_t N, int64_t K, uintptr_t dst_) {
+  const int64_t NB = rup(N, kBlockK) / 16, Kp = rup(K, kBlockK);
+  const int8_t* codes = P<const int8_t>(codes_);
+  int8_t* dst = P<int8_t>(dst_);
+  sched_.first_pool().parallel_for(E * NB, [&](int64_t b, int64_t end, int) {
+    std::vector<int8_t> row(Kp, 0);
+    for (int64_t s = b; s < end; ++s) {
+      const int64_t e = s / NB, nb = s % NB;
+      for (int64_t n = nb * 16; n < nb * 16 + 16; ++n) {
+        if (n < N) std::memcpy(row.data(), codes + (e * N + n) * K, K);
+        else std::fill(row.begin(), row.end(), 0);
+        put_row(row.data(), n, Kp, dst + s * (Kp / kBlockK) * kBlockBytes);
+      }
+    }
+  });
+}
+
+void Engine::unpack_codes(uintptr_t src_, int64_t E, int64_t N, int64_t K, uintptr_t codes_) {
+  const int64_t NB = rup(N, kBlockK) / 16, KB = rup(K, kBlockK) / kBlockK;
+  const int8_t* src = P<const int8_t>(src_);
+  int8_t* codes = P<int8_t>(codes_);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n) {
+      const int8_t* stream = src + (e * NB + n / 16) * KB * kBlockBytes;
+      for (int64_t k = 0; k < K; ++k) codes[(e * N + n) * K + k] = stream[k / kBlockK * kBlockBytes + block_offset(n, k)];
+    }
+}
+
+int64_t Engine::route(uintptr_t ids_, int64_t T, int64_t Kk, int64_t E, uintptr_t w_, uintptr_t off_, uintptr_t poff_,
+                      uintptr_t row_tok_, uintptr_t row_of_, uintptr_t order_, uintptr_t w_row_) {
+  const int64_t* ids = P<const int64_t>(ids_);
+  const float* w = P<const float>(w_);
+  int64_t *off = P<int64_t>(off_), *poff = P<int64_t>(poff_), *order = P<int64_t>(order_);
+  int32_t *row_tok = P<int32_t>(row_tok_), *row_of = P<int32_t>(row_of_);
+  float* w_row = P<float>(w_row_);
+  const int64_t n = T * Kk;
+  std::fill(off, off + E + 1, 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] >= 0 && ids[i] < E) ++off[ids[i] + 1];
+  poff[0] = 0;
+  for (int64_t e = 0; e < E; ++e) poff[e + 1] = poff[e] + rup(off[e + 1], 16);
+  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  std::vector<int64_t> next(off, off + E);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = ids[i];
+    if (e < 0 || e >= E) {
+      row_of[i] = -1;
+      continue;
+    }
+    const int64_t r = next[e]++;
+    row_of[i] = static_cast<int32_t>(r);
+    row_tok[r] = static_cast<int32_t>(i / Kk);
+    order[r] = i;
+    w_row[r] = w[i];
+  }
+  return off[E];
+}
+
+void Engine::quantize_rows(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t n, int64_t npad, uintptr_t off_,
+                           uintptr_t poff_, int64_t E, uintptr_t tok_, uintptr_t mul_, uintptr_t dst_, int64_t lda,
+                           uintptr_t scales_) {
+  const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
+  const int32_t* tok = P<const int32_t>(tok_);
+  const float* mul = P<const float>(mul_);
+  int8_t* dst = P<int8_t>(dst_);
+  float* scales = P<float>(scales_);
+  const int64_t es = src_bf16 ? 2 : 4;
+  sched_.run_tasks(poff[E], [&](int64_t p, int, int) {
+    const auto [e, r] = source_row(p, off, poff, E);
+    if (r < 0) {
+      std::memset(dst + p * lda, 0, npad);
+      return;
+    }
+    const char* row = P<const char>(src) + (tok ? tok[r] : r) * src_stride * es;
+    scales[r] = K_->quantize_row(row, src_bf16, mul ? mul + e * n : nullptr, n, npad, dst + p * lda);
+  });
+}
+
+void Engine::combine(uintptr_t parts_, int64_t nparts, int64_t R, int64_t H, uintptr_t row_of_, uintptr_t wgt_,
+                     int64_t T, int64_t Kk, uintptr_t out_, bool out_bf16) {
+  const float* parts = P<const float>(parts_);
+  const int32_t* row_of = P<const int32_t>(row_of_);
+  const float* wgt = P<const float>(wgt_);
+  char* out = P<char>(out_);
+  const int64_t es = out_bf16 ? 2 : 4;
+  sched_.first_pool().parallel_for(T, [&](int64_t b, int64_t e, int) {
+    std::vector<float> acc(H);
+    for (int64_t t = b; t < e; ++t) {
+      bool first = true;
+      for (int64_t k = 0; k < Kk; ++k) {
+        const int32_t r = row_of[t * Kk + k];
+        if (r < 0) continue;
+        const float w = wgt ? wgt[t * Kk + k] : 1.0f;
+        for (int64_t p = 0; p < nparts; ++p) {
+          K_->axpy(w, parts + (p * R + r) * H, acc.data(), H, first);
+          first = false;
+        }
+      }
+      if (first) std::fill(acc.begin(), acc.end(), 0.0f);
+      K_->store_row(acc.data(), H, out + t * H * es, out_bf16);
+    }
+  }, 4);
+}
+
+void Engine::lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int rank, int64_t n, uintptr_t src,
+                       bool src_bf16, int64_t lds, const int32_t* rows, float* q) {
+  const std::vector<std::array<int64_t, 3>> tasks = lora::rank_tasks(off, E);
+  sched_.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
+    const auto& t = tasks[i];
+    lora::rank_rows(K_->lora, f, rank, t[0], 0, n, P<const void>(src), src_bf16, lds, rows, t[1], t[2], q, false,
+                    sched_.lora_scratch(pool, tid));
+  });
+}
+
+// -- forward -------------------------------------------------------------------------------------------
+// Task: unit = 16 output channels of gate and of up; the pools split the units.
+void Engine::gate_up(uintptr_t xq_, int64_t lda, uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_,
+                     uintptr_t gate_scales, uintptr_t up_, uintptr_t up_scales, int64_t E, int64_t H, int64_t I,
+                     uintptr_t h_, int64_t ldh, uintptr_t g_, uintptr_t u_, const lora::Projection* lora, uintptr_t x,
+                     bool x_bf16, int64_t x_stride, uintptr_t tok_, uintptr_t ax_) {
+  const Dims d(E, H, I);
+  const int8_t *xq = P<const int8_t>(xq_), *gate = P<const int8_t>(gate_), *up = P<const int8_t>(up_);
+  const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
+  const float *xs = P<const float>(xs_), *gs = P<const float>(gate_scales), *us = P<const float>(up_scales);
+  float *h = P<float>(h_), *g = P<float>(g_), *u = P<float>(u_), *ax = P<float>(ax_);
+  if (lora) lora_rank(off, E, lora->a, lora->rank, H, x, x_bf16, x_stride, P<const int32_t>(tok_), ax);
+  auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
+    const int64_t nb = t.unit, ncol = std::min<int64_t>(16, I - nb * 16), m = t.r1 - t.r0;
+    int32_t* Ci = sched_.scratch_ci(pool, tid);
+    float* C = sched_.scratch_cf(pool, tid);
+    for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+      const int64_t mm = std::min(kRowChunk, m - m0), row0 = t.r0 + m0;
+      K_->gemm_block(xq + (t.p0 + m0) * lda, lda, mm, d.gu_stream(gate, t.e, nb), d.gu_stream(up, t.e, nb), d.gu_kb(),
+                     Ci, 32);
+      K_->dequant(Ci, 32, mm, ncol, xs + row0, gs + t.e * I + nb * 16, C, 32);
+      K_->dequant(Ci + 16, 32, mm, ncol, xs + row0, us + t.e * I + nb * 16, C + 16, 32);
+      if (lora) {  // B's gate rows nb * 16.. and up rows I + nb * 16..
+        lora::Scratch& ls = sched_.lora_scratch(pool, tid);
+        lora::expand_rows(K_->lora, lora->b, lora->rank, lora->scale, t.e, nb * 16, ncol, ax, row0, mm, C, 32, ls);
+        lora::expand_rows(K_->lora, lora->b, lora->rank, lora->scale, t.e, I + nb * 16, ncol, ax, row0, mm, C + 16,
+                          32, ls);
+      }
+      for (int64_t r = 0; r < mm; ++r) {
+        const float* c = C + r * 32;
+        K_->silu_mul(c, c + 16, ncol, h + (row0 + r) * ldh + nb * 16);
+        if (g) {
+          std::memcpy(g + (row0 + r) * I + nb * 16, c, ncol * 4);
+          std::memcpy(u + (row0 + r) * I + nb * 16, c + 16, ncol * 4);
+        }
+      }
+    }
+  };
+  sched_.run_split(off, poff, E, (I + 15) / 16, /*split_units=*/true, 0, kFwdTaskRows, task);
+}
+
+// Task: unit = 32 output columns of H; every pool runs every unit over its slice of I (partial sums).
+void Engine::down(uintptr_t hq_, int64_t lda, uintptr_t hs_, uintptr_t off_, uintptr_t poff_, uintptr_t down_,
+                  uintptr_t down_scales, int64_t E, int64_t H, int64_t I, uintptr_t parts_,
+                  const lora::Projection* lora, uintptr_t h, int64_t ldh, uintptr_t ah_) {
+  const Dims d(E, H, I);
+  const int8_t *hq = P<const int8_t>(hq_), *dn = P<const int8_t>(down_);
+  const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
+  const float *hs = P<const float>(hs_), *ds = P<const float>(down_scales);
+  float *parts = P<float>(parts_), *ah = P<float>(ah_);
+  const int64_t R = off[E];
+  if (lora) lora_rank(off, E, lora->a, lora->rank, I, h, false, ldh, nullptr, ah);
+  auto task = [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
+    const int64_t np = t.unit, ncol = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0;
+    int32_t* Ci = sched_.scratch_ci(pool, tid);
+    float* C = sched_.scratch_cf(pool, tid);
+    float* out = parts + static_cast<int64_t>(pool) * R * H;
+    for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+      const int64_t mm = std::min(kRowChunk, m - m0), row0 = t.r0 + m0;
+      if (kb1 > kb0) {
+        K_->gemm_block(hq + (t.p0 + m0) * lda + kb0 * kBlockK, lda, mm,
+                       d.dn_stream(dn, t.e, 2 * np) + kb0 * kBlockBytes,
+                       d.dn_stream(dn, t.e, 2 * np + 1) + kb0 * kBlockBytes, kb1 - kb0, Ci, 32);
+        K_->dequant(Ci, 32, mm, ncol, hs + row0, ds + t.e * H + np * 32, C, 32);
+      } else {  // more pools than 64-column pieces of I: this pool's part is zero
+        std::fill(C, C + mm * 32, 0.f);
+      }
+      if (lora && lora_pool(np) == pool)
+        lora::expand_rows(K_->lora, lora->b, lora->rank, lora->scale, t.e, np * 32, ncol, ah, row0, mm, C, 32,
+                          sched_.lora_scratch(pool, tid));
+      for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + r) * H + np * 32, C + r * 32, ncol * 4);
+    }
+  };
+  sched_.run_split(off, poff, E, (H + 31) / 32, /*split_units=*/false, d.dn_kb(), kFwdTaskRows, task);
+}
+
+// -- backward ------------------------------------------------------------------------------------------
+// Task: unit = 32 columns of I (W^T streams derived from down's codes); the pools split the units.
+void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t down_,
+                      int64_t E, int64_t H, int64_t I, uintptr_t gh_, const lora::Projection* lora, uintptr_t gy,
+                      bool gy_bf16, int64_t gy_stride, uintptr_t tok_, uintptr_t w_row_, uintptr_t h_, int64_t ldh,
+                      uintptr_t ah_, uintptr_t qd_) {
+  const Dims d(E, H, I);
+  const int8_t *gyq = P<const int8_t>(gyq_), *dn = P<const int8_t>(down_);
+  const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
+  const float *gys = P<const float>(gys_), *w_row = P<const float>(w_row_), *ah = P<const float>(ah_);
+  const float* h = P<const float>(h_);
+  const int32_t* tok = P<const int32_t>(tok_);
+  float *gh = P<float>(gh_), *qd = P<float>(qd_);
+  const int64_t units = (I + 31) / 32, kt_n = d.Hp / kBlockK;
+  if (lora) lora_rank(off, E, lora->b, lora->rank, H, gy, gy_bf16, gy_stride, tok, qd);
+  auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
+    const int64_t p = t.unit, ncol = std::min<int64_t>(32, I - p * 32), m = t.r1 - t.r0;
+    int8_t* s = sched_.scratch_blocks(pool, tid, 2 * kt_n);
+    const int8_t* W = d.dn_expert(dn, t.e);
+    for (int64_t kt = 0; kt < kt_n; ++kt) {
+      K_->transpose_block(W, d.dn_kb(), 32 * p, kt, s + kt * kBlockBytes);
+      K_->transpose_block(W, d.dn_kb(), 32 * p + 16, kt, s + (kt_n + kt) * kBlockBytes);
+    }
+    int32_t* Ci = sched_.scratch_ci(pool, tid);
+    float* C = sched_.scratch_cf(pool, tid);
+    for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+      const int64_t mm = std::min(kRowChunk, m - m0), row0 = t.r0 + m0;
+      K_->gemm_block(gyq + (t.p0 + m0) * lda, lda, mm, s, s + kt_n * kBlockBytes, kt_n, Ci, 32);
+      K_->dequant(Ci, 32, mm, ncol, gys + row0, nullptr, C, 32);
+      if (lora)  // gh += scale * A_e^T qd on these columns of I
+        lora::expand_rows(K_->lora, lora->a, lora->rank, lora->scale, t.e, p * 32, ncol, qd, row0, mm, C, 32,
+                          sched_.lora_scratch(pool, tid));
+      for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + r) * I + p * 32, C + r * 32, ncol * 4);
+    }
+    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on these columns
+      lora::Scratch& ls = sched_.lora_scratch(pool, tid);  // of I, dB on this unit's share of H
+      const int64_t c0 = H * p / units, c1 = H * (p + 1) / units;
+      lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, p * 32, ncol, qd, w_row, h + p * 32,
+                         false, ldh, nullptr, off[t.e], off[t.e + 1], ls);
+      lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ah, w_row,
+                         P<const char>(gy) + c0 * lora::elem_bytes(gy_bf16), gy_bf16, gy_stride, tok, off[t.e],
+                         off[t.e + 1], ls);
+    }
+  };
+  sched_.run_split(off, poff, E, units, /*split_units=*/true, 0, kBwdTaskRows, task);
+}
+
+void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uintptr_t u_, uintptr_t w_row_,
+                     uintptr_t off_, uintptr_t poff_, int64_t E, int64_t I, uintptr_t gate_scales, uintptr_t up_scales,
+                     uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t ggu32_, uintptr_t grad_w_,
+                     uintptr_t order_) {
+  const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_), *order = P<const int64_t>(order_);
+  const float *gh = P<const float>(gh_), *h = P<const float>(h_), *g = P<const float>(g_), *u = P<const float>(u_);
+  const float *w_row = P<const float>(w_row_), *gs = P<const float>(gate_scales), *us = P<const float>(up_scales);
+  int8_t* ggq = P<int8_t>(ggq_);
+  float *ggs = P<float>(ggs_), *ggu32 = P<float>(ggu32_), *grad_w = P<float>(grad_w_);
+  const int64_t Ip = rup(I, kBlockK);
+  sched_.run_tasks(poff[E], [&](int64_t p, int pool, int tid) {
+    const auto [e, r] = source_row(p, off, poff, E);
+    if (r < 0) {
+      std::memset(ggq + p * lda, 0, 2 * Ip);
+      return;
+    }
+    float *gg = ggu32 + r * 2 * I, *gu = gg + I;
+    grad_w[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, w_row[r], gg, gu);
+    float* v = sched_.scratch_row(pool, tid, 2 * Ip);  // the row as it meets the codes: weight scales folded in
+    std::fill(v, v + 2 * Ip, 0.f);
+    for (int64_t i = 0; i < I; ++i) {
+      v[i] = gg[i] * gs[e * I + i];
+      v[Ip + i] = gu[i] * us[e * I + i];
+    }
+    ggs[r] = K_->quantize_row(v, 0, nullptr, 2 * Ip, 2 * Ip, ggq + p * lda);
+  });
+}
+
+// Task: unit = 32 output columns of H (W^T streams derived from gate's and up's codes); every pool runs every unit
+// over its slice of the 2 Ip inputs (gate's Ip, then up's).
+void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t off_, uintptr_t poff_,
+                         uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I, uintptr_t parts_,
+                         const lora::Projection* lora, uintptr_t ggu32_, uintptr_t x, bool x_bf16, int64_t x_stride,
+                         uintptr_t tok_, uintptr_t ax_, uintptr_t qg_) {
+  const Dims d(E, H, I);
+  const int8_t *ggq = P<const int8_t>(ggq_), *gate = P<const int8_t>(gate_), *up = P<const int8_t>(up_);
+  const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
+  const float *ggs = P<const float>(ggs_), *ggu32 = P<const float>(ggu32_), *ax = P<const float>(ax_);
+  const int32_t* tok = P<const int32_t>(tok_);
+  float *parts = P<float>(parts_), *qg = P<float>(qg_);
+  const int64_t R = off[E], units = (H + 31) / 32, half = d.Ip / kBlockK;
+  if (lora) lora_rank(off, E, lora->b, lora->rank, 2 * I, ggu32_, false, 2 * I, nullptr, qg);
+  auto task = [&](const Task& t, int pool, int tid, int64_t k0, int64_t k1) {
+    const int64_t np = t.unit, nc = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0, nk = k1 - k0;
+    int8_t* s = sched_.scratch_blocks(pool, tid, 2 * nk);
+    for (int64_t kt = k0; kt < k1; ++kt) {
+      const int8_t* W = d.gu_expert(kt < half ? gate : up, t.e);
+      K_->transpose_block(W, d.gu_kb(), 32 * np, kt % half, s + (kt - k0) * kBlockBytes);
+      K_->transpose_block(W, d.gu_kb(), 32 * np + 16, kt % half, s + (nk + kt - k0) * kBlockBytes);
+    }
+    int32_t* Ci = sched_.scratch_ci(pool, tid);
+    float* C = sched_.scratch_cf(pool, tid);
+    float* out = parts + static_cast<int64_t>(pool) * R * H;
+    for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
+      const int64_t mm = std::min(kRowChunk, m - m0), row0 = t.r0 + m0;
+      if (nk > 0) {
+        K_->gemm_block(ggq + (t.p0 + m0) * lda + k0 * kBlockK, lda, mm, s, s + nk * kBlockBytes, nk, Ci, 32);
+        K_->dequant(Ci, 32, mm, nc, ggs + row0, nullptr, C, 32);
+      } else {  // more pools than 64-column pieces of 2 Ip: this pool's part is zero
+        std::fill(C, C + mm * 32, 0.f);
+      }
+      if (lora && lora_pool(np) == pool)  // grad_x += scale * A_e^T qg on these columns of H
+        lora::expand_rows(K_->lora, lora->a, lora->rank, lora->scale, t.e, np * 32, nc, qg, row0, mm, C, 32,
+                          sched_.lora_scratch(pool, tid));
+      for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + r) * H + np * 32, C + r * 32, nc * 4);
+    }
+    if (lora && t.r0 == off[t.e] && lora_pool(np) == pool) {  // the expert's gradients, from the task of its first
+      lora::Scratch& ls = sched_.lora_scratch(pool, tid);       // rows: dA on these columns of H, dB on a share of 2I
+      const int64_t c0 = 2 * I * np / units, c1 = 2 * I * (np + 1) / units;
+      lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, np * 32, nc, qg, nullptr,
+                         P<const char>(x) + np * 32 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
+                         off[t.e + 1], ls);
+      lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ax, nullptr, ggu32 + c0,
+                         false, 2 * I, nullptr, off[t.e], off[t.e + 1], ls);
+    }
+  };
+  sched_.run_split(off, poff, E, units, /*split_units=*/false, 2 * half, kBwdTaskRows, task);
+}
+
+void Engine::memzero(uintptr_t p, int64_t nbytes) {
+  if (nbytes > 0) std::memset(P<char>(p), 0, nbytes);
+}
+
+}  // namespace ktint8

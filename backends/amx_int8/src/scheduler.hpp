@@ -1,0 +1,147 @@
+// The task scheduler of the amx_int8 engine: its thread pools, the per-thread scratch, and run_split, which runs
+// one phase of (expert, rows, output unit) tasks over every pool at once. Baseline-compiled.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "kernels.hpp"
+#include "ktcore/expert_lora.hpp"
+#include "ktcore/thread_pool.hpp"
+
+namespace ktint8 {
+
+template <class T>
+T* P(uintptr_t a) { return reinterpret_cast<T*>(a); }
+
+inline int64_t rup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+struct Task {
+  int32_t e, unit;  // output unit `unit` of expert e
+  int64_t r0, r1;   // rows [r0, r1) of expert e's rows
+  int64_t p0;       // row r0 in the quantised buffers (each expert's rows padded to a multiple of 16)
+};
+
+constexpr int64_t kRowChunk = 256;  // rows of one expert per inner step (C scratch 32 KB)
+
+class Scheduler {
+ public:
+  using TaskFn = std::function<void(const Task&, int pool, int tid, int64_t k0, int64_t k1)>;
+
+  // num_threads split as evenly as possible over num_pools pools; the calling thread works in pool 0 only.
+  Scheduler(int num_threads, int num_pools) {
+    num_pools = std::max(1, std::min(num_pools, num_threads));
+    for (int p = 0; p < num_pools; ++p) {
+      const int n = num_threads / num_pools + (p < num_threads % num_pools ? 1 : 0);
+      pools_.emplace_back(new ktcore::ThreadPool(n, p == 0));
+      scratch_.emplace_back(n);
+    }
+  }
+
+  int num_threads() const {
+    int n = 0;
+    for (auto& p : pools_) n += p->num_threads();
+    return n;
+  }
+  int num_pools() const { return static_cast<int>(pools_.size()); }
+  // pool 0, for work that is not split by expert (routing, quantising rows, the combine)
+  ktcore::ThreadPool& first_pool() { return *pools_[0]; }
+
+  // Runs the tasks (expert, up to task_rows rows, unit) over all pools at once. split_units: the units [0, units)
+  // are divided among the pools; otherwise every pool runs every unit over its own slice [k0, k1) of ksplit
+  // K-blocks (partial sums, one output part per pool).
+  void run_split(const int64_t* off, const int64_t* poff, int64_t E, int64_t units, bool split_units, int64_t ksplit,
+                 int64_t task_rows, const TaskFn& fn) {
+    const int npools = num_pools();
+    std::vector<std::vector<Task>> tasks(npools);
+    std::vector<std::pair<int64_t, int64_t>> kr(npools);
+    for (int p = 0; p < npools; ++p) {
+      const int64_t u0 = split_units ? units * p / npools : 0, u1 = split_units ? units * (p + 1) / npools : units;
+      kr[p] = split_units ? std::make_pair<int64_t, int64_t>(0, 0)
+                          : std::make_pair(ksplit * p / npools, ksplit * (p + 1) / npools);
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t r = off[e]; r < off[e + 1]; r += task_rows)
+          for (int64_t u = u0; u < u1; ++u)
+            tasks[p].push_back({static_cast<int32_t>(e), static_cast<int32_t>(u), r,
+                                std::min(off[e + 1], r + task_rows), poff[e] + r - off[e]});
+    }
+    std::vector<int64_t> counts(npools);
+    std::vector<ktcore::ThreadPool::Fn> fns(npools);
+    for (int p = 0; p < npools; ++p) {
+      counts[p] = static_cast<int64_t>(tasks[p].size());
+      fns[p] = [&, p](int64_t b, int64_t e, int tid) {
+        for (int64_t i = b; i < e; ++i) fn(tasks[p][i], p, tid, kr[p].first, kr[p].second);
+      };
+    }
+    dispatch(counts, fns);
+  }
+
+  // Runs fn(i, pool, tid) for every i in [0, n) over all pools at once, each pool a contiguous share.
+  void run_tasks(int64_t n, const std::function<void(int64_t, int pool, int tid)>& fn) {
+    const int npools = num_pools(), total = num_threads();
+    std::vector<int64_t> start(npools + 1, 0), counts(npools);
+    std::vector<ktcore::ThreadPool::Fn> fns(npools);
+    int before = 0;
+    for (int p = 0; p < npools; ++p) {
+      before += pools_[p]->num_threads();
+      start[p + 1] = n * before / total;
+      counts[p] = start[p + 1] - start[p];
+      fns[p] = [&, p](int64_t b, int64_t e, int tid) {
+        for (int64_t i = b; i < e; ++i) fn(start[p] + i, p, tid);
+      };
+    }
+    dispatch(counts, fns);
+  }
+
+  // This thread's scratch: int32 and fp32 C blocks (kRowChunk rows x 32, 64-byte aligned), transposed weight
+  // blocks, a row of floats, and expert LoRA's.
+  int32_t* scratch_ci(int pool, int tid) { return aligned(scratch_[pool][tid].ci, kRowChunk * 32); }
+  float* scratch_cf(int pool, int tid) { return aligned(scratch_[pool][tid].cf, kRowChunk * 32); }
+  int8_t* scratch_blocks(int pool, int tid, int64_t blocks) {
+    return aligned(scratch_[pool][tid].blocks, blocks * kBlockBytes);
+  }
+  float* scratch_row(int pool, int tid, int64_t n) { return aligned(scratch_[pool][tid].row, n); }
+  ktcore::lora::Scratch& lora_scratch(int pool, int tid) { return scratch_[pool][tid].lora; }
+
+ private:
+  struct Scratch {
+    std::vector<int32_t> ci;
+    std::vector<float> cf, row;
+    std::vector<int8_t> blocks;
+    ktcore::lora::Scratch lora;
+  };
+
+  // n elements starting at a 64-byte boundary of v (grown to fit, kept)
+  template <class T>
+  static T* aligned(std::vector<T>& v, int64_t n) {
+    const size_t need = static_cast<size_t>(n) + 64 / sizeof(T);
+    if (v.size() < need) v.resize(need);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(v.data());
+    return reinterpret_cast<T*>((a + 63) / 64 * 64);
+  }
+
+  // Starts counts[p] items of fns[p] on every pool p (pool 0, whose caller works too, last) and waits for all;
+  // rethrows the first failure.
+  void dispatch(const std::vector<int64_t>& counts, const std::vector<ktcore::ThreadPool::Fn>& fns) {
+    const int npools = num_pools();
+    for (int p = npools - 1; p >= 0; --p) pools_[p]->start(counts[p], fns[p]);
+    std::exception_ptr err;
+    for (int p = 0; p < npools; ++p) {
+      try {
+        pools_[p]->join();
+      } catch (...) {
+        if (!err) err = std::current_exception();
+      }
+    }
+    if (err) std::rethrow_exception(err);
+  }
+
+  std::vector<std::unique_ptr<ktcore::ThreadPool>> pools_;
+  std::vector<std::vector<Scratch>> scratch_;
+};
+
+}  // namespace ktint8

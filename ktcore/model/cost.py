@@ -1,0 +1,258 @@
+"""The placement cost model: time, GPU memory and host memory of one training step for each expert placement.
+
+Pure arithmetic on a ``ModelShape`` (``model/shape.py``) and a few measured ``Rates``; ``ktcore plan`` prints
+it and ``auto`` placement chooses with it. One step is one sequence of T tokens, LoRA on the attention,
+dense linears and routed experts, frozen base weights (so backward computes input gradients only: as many
+FLOPs as the forward).
+
+Placements of the routed experts:
+
+* ``cpu``: the CPU backend computes them; each MoE layer's experts wait for its attention (one sequence), so
+  the step is the GPU's own work plus every layer's CPU expert time.
+* ``gpu_stream``: they live in pinned host memory; each layer's experts are copied to the GPU while the layer
+  before computes, and again in backward unless the ring (``ring`` layers) holds every MoE layer. A layer takes
+  the longer of its copy and its GPU work.
+* ``hybrid``: each layer's experts are split so the CPU's share (after the layer's attention) and the GPU's
+  streamed share finish together.
+* ``gpu``: all experts resident on the GPU (transformers' own kernels): the yardstick, when it fits.
+
+The constants below were fitted to ``ktcore bench train`` runs on the H200 machine (benchmarks/RESULTS.md,
+DeepSeek-V2-Lite shape, 27 layers, amx_bf16, 2K and 8K tokens/step): they reproduce its peak host memory
+within 3%, its peak GPU memory within 10% and its tokens/s within 11% (``tests/test_plan.py`` holds them to it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+from .shape import ModelShape
+
+GIB = 2**30
+PLACEMENTS = ("cpu", "gpu_stream", "hybrid", "gpu")
+CHOOSABLE = ("cpu", "gpu_stream", "hybrid")  # what kt_expert_placement: auto picks from
+
+# bytes per weight of each packed format (GGUF blocks: block bytes / block weights)
+FORMAT_BYTES = {"fp32": 4.0, "f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0, "gguf": 34 / 32, "q8_0": 34 / 32,
+                "q4_0": 18 / 32, "q4_1": 20 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256}
+GPU_WEIGHT_BYTES = 2.0  # bf16: what the GPU's grouped kernel computes with, and what is streamed to it
+
+# fitted constants (see the module docstring)
+ACTIVATION_BYTES_PER_HIDDEN = 48  # GPU: saved activations per token and decoder layer, in units of hidden size
+LOGIT_BYTES = 10  # GPU: per token and vocabulary entry (fp32 logits, their gradient, the bf16 copy)
+GPU_FIXED_GIB = 1.0  # GPU: cuBLAS workspaces and allocator slack beside weights and activations
+HOST_FIXED_GIB = 2.5  # host: python, torch, transformers and the CUDA runtime
+LORA_STATE_BYTES = 16  # fp32 weight, gradient and two AdamW moments per LoRA parameter
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured rates of one machine (``ktcore doctor --json`` writes them; a rates file fixes them)."""
+
+    cpu_expert_gflops: float  # routed-expert forward+backward FLOP/s of the CPU backend inside a step
+    dram_gbps: float  # host read bandwidth (the CPU backend's floor at few tokens)
+    cpu_cores: int  # cores the CPU rate was measured with
+    h2d_gbps: Optional[float] = None  # pinned host-to-device copies (None: no GPU)
+    gpu_tflops: Optional[float] = None  # bf16 FLOP/s the GPU reaches on a training step's matmuls
+    gpu_layer_ms: float = 0.0  # fixed GPU time per decoder layer and step (kernel launches, small ops)
+    gpu_mem_gib: Optional[float] = None
+    host_ram_gib: Optional[float] = None
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.h2d_gbps and self.gpu_tflops)
+
+    def with_cores(self, cores: int) -> "Rates":
+        """The CPU rate scaled to ``cores`` (expert GEMMs scale with cores; DRAM bandwidth does not)."""
+        return replace(self, cpu_expert_gflops=self.cpu_expert_gflops * cores / self.cpu_cores, cpu_cores=cores)
+
+
+RATE_FIELDS = tuple(f.name for f in fields(Rates))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    placement: str
+    step_s: float
+    tokens_per_s: float
+    gpu_gib: float
+    host_gib: float
+    fits: bool
+    why_not: str  # "" when it fits
+    cpu_share: float  # share of the routed token-slots the CPU computes
+    expert_s: float  # per step: routed experts (CPU, copies and GPU together, as they overlap)
+    copy_gb: float  # host-to-device bytes per step
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the config decides about the step."""
+
+    tokens: int
+    lora_rank: int = 8
+    weight_format: str = "bf16"  # the CPU backend's packed format
+    recompute: bool = False  # kt_cpu_activation: recompute
+    cache_depth: int = 64  # kt_max_cache_depth
+    ring: int = 2  # gpu_stream: layers of experts the GPU ring holds
+    gradient_checkpointing: bool = False
+
+
+def touched_experts(shape: ModelShape, tokens: int) -> float:
+    """Expected experts one layer's T tokens touch, with every expert equally likely."""
+    return shape.experts * (1.0 - (1.0 - shape.top_k / shape.experts) ** tokens)
+
+
+def gpu_dense_s(shape: ModelShape, s: Setting, rates: Rates) -> float:
+    """The GPU's own work per step: every matmul but the routed experts' (forward + input-gradient backward,
+    + a forward again with checkpointing), causal attention, and the fixed per-layer time."""
+    passes = 3 if s.gradient_checkpointing else 2
+    matmul = 2 * passes * (shape.non_expert_params - shape.embedding_params) * s.tokens
+    # causal attention: T^2/2 pairs x heads x (qk + v dims) x 2 FLOPs forward, about 2.5x that backward
+    attention = 3.5 * s.tokens ** 2 * shape.attention_heads * shape.attention_head_dim * shape.layers
+    return (matmul + attention) / (rates.gpu_tflops * 1e12) + shape.layers * rates.gpu_layer_ms / 1e3
+
+
+def expert_flops(shape: ModelShape, tokens: int, recompute: bool = False) -> float:
+    """Forward + backward FLOPs of one layer's routed experts (three matmuls of H x I per token-slot each way)."""
+    return tokens * shape.top_k * 6 * shape.expert_params / 3 * (3 if recompute else 2)
+
+
+def cpu_layer_s(shape: ModelShape, s: Setting, rates: Rates) -> float:
+    """One layer's routed experts on the CPU: compute, or reading the touched weights (forward, backward, and
+    the recomputed forward) when that takes longer."""
+    compute = expert_flops(shape, s.tokens, s.recompute) / (rates.cpu_expert_gflops * 1e9)
+    reads = (3 if s.recompute else 2) * touched_experts(shape, s.tokens) * shape.expert_params \
+        * FORMAT_BYTES[s.weight_format]
+    return max(compute, reads / (rates.dram_gbps * 1e9))
+
+
+def stream_layer(shape: ModelShape, s: Setting, rates: Rates) -> tuple[float, float, float]:
+    """(copy seconds, GPU compute seconds, bytes) of one layer's routed experts streamed: the whole layer is
+    copied in forward and again in backward (unless the ring holds every MoE layer)."""
+    nbytes = shape.experts * shape.expert_params * GPU_WEIGHT_BYTES * (1 if s.ring >= shape.moe_layers else 2)
+    return nbytes / (rates.h2d_gbps * 1e9), expert_flops(shape, s.tokens) / (rates.gpu_tflops * 1e12), nbytes
+
+
+def hybrid_share(cpu_s: float, copy_s: float, compute_s: float, dense_layer_s: float) -> tuple[float, float]:
+    """(CPU share, seconds) of one hybrid layer: the GPU's share is copied beside the layer's GPU work, the CPU's
+    share runs after the layer's attention beside the GPU's share of the experts. The share is searched: the
+    layer's time is piecewise linear in it."""
+    def layer_s(share):
+        return max((1 - share) * copy_s, dense_layer_s + max(share * cpu_s, (1 - share) * compute_s))
+
+    best = min((i / 1000 for i in range(1001)), key=layer_s)
+    return best, layer_s(best)
+
+
+def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_slot_share: float) -> float:
+    """Peak GPU bytes: weights, LoRA state, activations, and the routed experts' own when the GPU computes them
+    (an expert on the GPU counts twice: PEFT's ``W + scaling * B @ A`` is a second copy, kept for backward)."""
+    weights = (shape.non_expert_params + 2 * resident_experts * shape.expert_params) * GPU_WEIGHT_BYTES
+    lora = shape.lora_params_per_rank * s.lora_rank * LORA_STATE_BYTES
+    per_layer = shape.hidden * (4 if s.gradient_checkpointing else ACTIVATION_BYTES_PER_HIDDEN)
+    acts = s.tokens * (shape.layers * per_layer + shape.vocab * LOGIT_BYTES)
+    # grouped experts keep per token-slot their input, gate/up output and activation (bf16) for backward
+    routed = routed_slot_share * s.tokens * shape.top_k * shape.moe_layers \
+        * (shape.hidden + 3 * shape.expert_intermediate) * 2
+    return weights + lora + acts + routed + GPU_FIXED_GIB * GIB
+
+
+def _host_memory(shape: ModelShape, s: Setting, cpu_share: float) -> float:
+    """Peak host bytes: the CPU's experts in the backend's format, the streamed ones pinned in bf16, and what
+    the CPU backend keeps for backward (input in bf16, gate and up in fp32 per token-slot; the input alone when
+    recomputing) plus its scratch for one layer (6H + 18I per token-slot)."""
+    expert_bytes = shape.routed_params * (cpu_share * FORMAT_BYTES[s.weight_format]
+                                          + (1 - cpu_share) * GPU_WEIGHT_BYTES)
+    slots = cpu_share * s.tokens * shape.top_k
+    saved = (2 * shape.hidden if s.recompute else 2 * shape.hidden + 8 * shape.expert_intermediate)
+    kept = slots * saved * min(shape.moe_layers, s.cache_depth)
+    scratch = slots * (6 * shape.hidden + 18 * shape.expert_intermediate) if cpu_share else 0
+    return expert_bytes + kept + scratch + HOST_FIXED_GIB * GIB
+
+
+def _cost(placement, shape, s, rates, step_s, expert_s, cpu_share, resident, gpu_slot_share, copy_bytes):
+    gpu = _gpu_memory(shape, s, resident, gpu_slot_share) / GIB
+    host = _host_memory(shape, s, cpu_share) / GIB
+    why = []
+    if rates.gpu_mem_gib is not None and gpu > rates.gpu_mem_gib:
+        why.append(f"GPU memory {gpu:.1f} > {rates.gpu_mem_gib:g} GiB")
+    if rates.host_ram_gib is not None and host > rates.host_ram_gib:
+        why.append(f"host RAM {host:.1f} > {rates.host_ram_gib:g} GiB")
+    return StepCost(placement, step_s, s.tokens / step_s, gpu, host, not why, "; ".join(why), cpu_share, expert_s,
+                    copy_bytes / 1e9)
+
+
+def predict(shape: ModelShape, s: Setting, rates: Rates, placement: str) -> StepCost:
+    """The cost of one step with every MoE layer in ``placement`` (one of PLACEMENTS)."""
+    if placement != "cpu" and not rates.has_gpu:
+        raise ValueError(f"placement {placement} needs a GPU: the rates have no h2d_gbps / gpu_tflops")
+    dense = gpu_dense_s(shape, s, rates) if rates.has_gpu else 0.0
+    layers = shape.moe_layers
+    if placement == "cpu":
+        experts = layers * cpu_layer_s(shape, s, rates)
+        return _cost("cpu", shape, s, rates, dense + experts, experts, 1.0, 0, 0.0, 0.0)
+    if placement == "gpu":
+        experts = layers * expert_flops(shape, s.tokens) / (rates.gpu_tflops * 1e12)
+        return _cost("gpu", shape, s, rates, dense + experts, experts, 0.0, layers * shape.experts, 1.0, 0.0)
+    copy_s, compute_s, stream_bytes = stream_layer(shape, s, rates)
+    dense_layer = dense / shape.layers
+    other_layers = (shape.layers - layers) * dense_layer
+    ring_experts = min(s.ring, layers) * shape.experts
+    if placement == "gpu_stream":
+        # the copy for layer L+1 runs beside layer L's GPU work: a MoE layer takes the longer of the two
+        step = other_layers + layers * max(copy_s, dense_layer + compute_s)
+        return _cost("gpu_stream", shape, s, rates, step, layers * max(copy_s, compute_s), 0.0, ring_experts, 1.0,
+                     layers * stream_bytes)
+    if placement == "hybrid":
+        share, layer_s = hybrid_share(cpu_layer_s(shape, s, rates), copy_s, compute_s, dense_layer)
+        return _cost("hybrid", shape, s, rates, other_layers + layers * layer_s, layers * (layer_s - dense_layer),
+                     share, (1 - share) * ring_experts, 1 - share, layers * (1 - share) * stream_bytes)
+    raise ValueError(f"unknown placement {placement!r}; one of {', '.join(PLACEMENTS)}")
+
+
+def plan(shape: ModelShape, s: Setting, rates: Rates) -> dict:
+    """Every placement's cost, and what ``auto`` takes: the fastest of cpu / gpu_stream / hybrid that fits
+    (``cpu`` when none fits, with the reason in its row)."""
+    placements = PLACEMENTS if rates.has_gpu else ("cpu",)
+    costs = {p: predict(shape, s, rates, p) for p in placements}
+    fitting = [c for p, c in costs.items() if p in CHOOSABLE and c.fits]
+    auto = min(fitting, key=lambda c: c.step_s).placement if fitting else None
+    return {"costs": costs, "auto": auto}
+
+
+def is_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+REQUIRED = ("cpu_expert_gflops", "dram_gbps", "cpu_cores")
+
+
+def load_rates(path) -> Rates:
+    """A rates file: a JSON object of ``Rates`` fields, or ``ktcore doctor --json`` output (its ``rates``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON rates file ({exc}); write one with "
+                          "`ktcore doctor --json > rates.json`") from exc
+    if isinstance(data, dict) and isinstance(data.get("rates"), dict):
+        data = data["rates"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a rates file is a JSON object of {', '.join(RATE_FIELDS)}")
+    unknown = sorted(set(data) - set(RATE_FIELDS) - {"note"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown rate key(s) {', '.join(unknown)}; the keys are {', '.join(RATE_FIELDS)}")
+    missing = [k for k in REQUIRED if data.get(k) is None]
+    if missing:
+        raise ConfigError(f"{path}: missing {', '.join(missing)} (measure them with `ktcore doctor --json`)")
+    for key in RATE_FIELDS:
+        if data.get(key) is not None and not (is_finite(data[key]) or (key == "gpu_layer_ms" and data[key] == 0)):
+            raise ConfigError(f"{path}: {key} must be a positive number, got {data[key]!r}")
+    return Rates(**{k: v for k, v in data.items() if k != "note"})

@@ -1,0 +1,144 @@
+"""``gpu_stream`` placement: routed experts live in host memory and are copied to the model's device for each use.
+
+A streamed layer keeps its experts in HF's own layout (gate_up [E, 2I, H], down [E, H, I]) in pinned host memory
+and computes with transformers' own grouped experts kernel on the device, expert LoRA added to the copied weights
+as PEFT's ``W + scaling * B @ A`` (the placeholders still carry PEFT's factors, so adapters are unchanged).
+
+``ExpertStream`` is one model's ring: the device copies of the last ``ring`` layers used. While a layer computes,
+the next one's copy runs on a side stream (the layer after in forward, the layer before in backward). Autograd
+does not keep a layer's weights for backward: saved-tensor hooks replace every tensor that is (a view of) the
+layer's device weights with a note, and backward fetches the layer again (from the ring if it is still there).
+
+With the model on the CPU the same code runs without streams or copies, which is what the CPU tests compare
+against the ``cpu`` placement and unmodified transformers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for streamed layers and layers placed on the GPU
+
+
+class ExpertStream:
+    """Host copies of every streamed layer, and the ring of device copies."""
+
+    def __init__(self, device, ring: int):
+        if ring < 1:
+            raise ValueError(f"kt_config.kt_stream_ring must be >= 1, got {ring}")
+        self.device = torch.device(device)
+        self.ring = ring
+        self.host: list[tuple[torch.Tensor, torch.Tensor]] = []  # per streamed layer, in model order
+        self.slots: OrderedDict = OrderedDict()  # layer index -> ((gate_up, down) on the device, copy-done event)
+        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.copied_bytes = 0  # host-to-device bytes so far (the bench reads it)
+
+    def add(self, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        """Keep one layer's experts (pinned when a GPU will read them); returns its index."""
+        if self.side is not None:
+            gate_up, down = gate_up.pin_memory(), down.pin_memory()
+        self.host.append((gate_up, down))
+        return len(self.host) - 1
+
+    def _copy(self, index: int) -> None:
+        if index in self.slots:
+            self.slots.move_to_end(index)
+            return
+        host = self.host[index]
+        if self.side is None:  # the model is on the CPU: the host copy is the device copy
+            self.slots[index] = (host, None)
+        else:
+            with torch.cuda.stream(self.side):
+                tensors = tuple(t.to(self.device, non_blocking=True) for t in host)
+                done = torch.cuda.Event()
+                done.record(self.side)
+            self.slots[index] = (tensors, done)
+            self.copied_bytes += sum(t.numel() * t.element_size() for t in host)
+        while len(self.slots) > self.ring:
+            self.slots.popitem(last=False)  # the oldest; a layer computing now still holds its own reference
+
+    def fetch(self, index: int, direction: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s experts on the device, ready for the compute stream; starts copying the layer
+        ``direction`` (+1 forward, -1 backward) from it, to overlap this layer's compute."""
+        self._copy(index)
+        tensors, done = self.slots[index]
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            for t in tensors:
+                t.record_stream(compute)  # allocated on the side stream, read on this one
+        following = index + direction
+        if 0 <= following < len(self.host) and self.ring > 1:
+            self._copy(following)
+        return tensors
+
+
+@dataclass(frozen=True)
+class _Refetch:
+    """A saved tensor that was (a view of) one of a layer's device weights: rebuilt in backward."""
+
+    part: int  # 0: gate_up, 1: down
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+class _WeightsOf:
+    """The experts module as transformers' kernel sees it, with the streamed weights in place of the
+    placeholders; a hybrid layer's GPU share is a slice of the experts, the others' slots carry transformers'
+    expert-parallel sentinel (an id past the slice: no expert)."""
+
+    def __init__(self, module, gate_up, down):
+        sliced = gate_up.shape[0] != module.num_experts
+        self.__dict__.update(_module=module, gate_up_proj=gate_up, down_proj=down, num_experts=gate_up.shape[0],
+                             _is_expert_parallel=sliced or module._is_expert_parallel)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _with_lora(weight: torch.Tensor, factors) -> torch.Tensor:
+    """``weight + scaling * B @ A`` per expert (PEFT's parametrisation of a target parameter)."""
+    if factors is None:
+        return weight
+    b, a, scale = factors
+    return weight + (torch.bmm(b, a) * scale).to(weight.dtype)
+
+
+def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, top_k_index, top_k_weights,
+                     lora=None, first: int = 0):
+    """One streamed layer's experts: fetch, add LoRA, run transformers' grouped kernel; backward fetches again.
+    ``first``: the stream holds experts ``first..`` of the layer (a hybrid layer's GPU share), and
+    ``top_k_index`` counts from there (an id past them: no expert); ``lora`` is the whole layer's."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    part = slice(first, None)
+    factors = (None, None) if lora is None else (
+        None if lora.gate_up_a is None else (lora.gate_up_b[part], lora.gate_up_a[part], lora.gate_up_scale),
+        None if lora.down_a is None else (lora.down_b[part], lora.down_a[part], lora.down_scale))
+    base = stream.fetch(index, +1)
+    weights = tuple(_with_lora(w.to(hidden_states.dtype), f) for w, f in zip(base, factors))
+    experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
+    if stream.ring >= len(stream.host):  # every layer stays on the device: nothing to stream again
+        return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)
+    storages = [w.untyped_storage().data_ptr() for w in weights]
+
+    def pack(t):
+        if t.device == weights[0].device and t.untyped_storage().data_ptr() in storages:
+            return _Refetch(storages.index(t.untyped_storage().data_ptr()), tuple(t.size()), t.stride(),
+                            t.storage_offset())
+        return t
+
+    def unpack(saved):
+        if not isinstance(saved, _Refetch):
+            return saved
+        with torch.no_grad():  # the factors have not changed since the forward (the optimizer steps after)
+            weight = stream.fetch(index, -1)[saved.part].to(hidden_states.dtype)
+            full = _with_lora(weight, factors[saved.part])
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)

@@ -1,0 +1,201 @@
+"""``gpu_stream`` placement (``ktcore/model/stream.py``) against unmodified transformers + PEFT and against the
+``cpu`` placement: logits, loss and every LoRA gradient. On the CPU the model's device is the CPU, so the
+same code runs without side streams: fetch, LoRA added as PEFT adds it, transformers' grouped kernel, and the
+saved-tensor hooks that make backward fetch the weights again instead of keeping them."""
+
+import copy
+
+import pytest
+import torch
+from archs import MOE_LAYERS, tiny_model
+from peft import get_peft_model
+from test_equivalence import assert_same_training_signal, batch, lora_config, lora_grads, peft_pair, tiny_model_of
+
+import ktcore
+from ktcore.errors import ConfigError
+from ktcore.model.placeholder import is_placeholder
+from ktcore.testing import relative_error
+
+
+def streamed(model, ring=2, **kt):
+    return ktcore.wrap_model(model, {"kt_config": {"kt_backend": "torch", "kt_expert_placement": "gpu_stream",
+                                                   "kt_stream_ring": ring, **kt}})
+
+
+@pytest.mark.parametrize("ring", [1, 2], ids=["ring-1-refetch", "ring-holds-all"])
+def test_gpu_stream_matches_transformers_and_peft(qwen3_pair, ring):
+    """ring 1: every backward fetches its layer again through the saved-tensor hooks (the tiny model has 2 MoE
+    layers); ring 2: both layers stay, autograd keeps the weights."""
+    plain, ours = qwen3_pair
+    streamed(ours, ring)
+    experts = ours.model.layers[0].mlp.experts
+    assert is_placeholder(experts.gate_up_proj) and not ours.ktcore.layers  # no CPU-backend layer
+    assert len(ours.ktcore.stream.host) == 2
+    assert_same_training_signal(*peft_pair(plain, ours), *batch(3))
+
+
+def test_refetch_happens_and_weights_are_not_kept(qwen3_pair):
+    """With ring 1 the saved-tensor hooks must replace the layer's weights: count what backward fetches."""
+    plain, ours = qwen3_pair
+    streamed(ours, ring=1)
+    stream = ours.ktcore.stream
+    calls = []
+    fetch = stream.fetch
+    stream.fetch = lambda index, direction: calls.append((index, direction)) or fetch(index, direction)
+    _, model = peft_pair(plain, ours)
+    ids, mask = batch(4)
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    forward = [c for c in calls if c[1] == +1]
+    backward = [c for c in calls if c[1] == -1]
+    assert [i for i, _ in forward] == [0, 1]
+    assert backward and {i for i, _ in backward} == {0, 1}  # each layer fetched again in backward, last first
+    assert backward[0][0] == 1
+
+
+def test_gpu_stream_matches_cpu_placement(qwen3_pair):
+    """The two placements of the same weights and adapter give the same training signal."""
+    plain, ours = qwen3_pair
+    on_cpu = ktcore.wrap_model(copy.deepcopy(plain), {"kt_backend": "torch"})
+    streamed(ours, ring=1)
+    a, b = peft_pair(on_cpu, ours)
+    assert_same_training_signal(a, b, *batch(5))
+
+
+def test_placement_rule_streams_one_layer():
+    """kt_placement {device: gpu_stream} for one layer, the CPU backend for the other; against transformers."""
+    plain = tiny_model("deepseek_v2", seed=6)
+    first = MOE_LAYERS["deepseek_v2"][0]
+    ours = ktcore.wrap_model(copy.deepcopy(plain), {"kt_config": {"kt_backend": "torch", "kt_placement": [
+        {"match": rf"layers\.{first}\.", "device": "gpu_stream"}]}})
+    assert len(ours.ktcore.stream.host) == 1 and len(ours.ktcore.layers) == 1
+    a, b = peft_pair(plain, ours)
+    ref, ref_grads = lora_grads(a, *batch(6))
+    got, got_grads = lora_grads(b, *batch(6))
+    assert relative_error(got.logits, ref.logits) <= 1e-5  # measured 1e-7
+    for name in ref_grads:
+        assert relative_error(got_grads[name], ref_grads[name]) <= 1e-4, name  # measured 4e-7
+
+
+def test_disabled_adapter_streams_the_base_weights(qwen3_pair):
+    plain, ours = qwen3_pair
+    base = plain(batch()[0]).logits
+    streamed(ours, ring=1)
+    _, model = peft_pair(copy.deepcopy(plain), ours)
+    with torch.no_grad(), model.disable_adapter():
+        assert relative_error(model(batch()[0]).logits, base) <= 1e-5
+
+
+def hybrid(model, share=0.5, ring=1, **kt):
+    return ktcore.wrap_model(model, {"kt_config": {"kt_backend": "torch", "kt_expert_placement": "hybrid",
+                                                   "kt_hybrid_cpu_share": share, "kt_stream_ring": ring, **kt}})
+
+
+@pytest.mark.parametrize("share", [0.25, 0.75])
+def test_hybrid_matches_transformers_and_peft(qwen3_pair, share):
+    """The first experts on the torch backend, the others streamed (ring 1: backward fetches again); the tiny
+    model's routing reaches experts on both sides, so both halves of every LoRA factor get gradients."""
+    plain, ours = qwen3_pair
+    hybrid(ours, share)
+    experts = ours.model.layers[0].mlp.experts
+    n = round(share * experts.num_experts)
+    assert len(ours.ktcore.layers) == 2 and len(ours.ktcore.stream.host) == 2
+    assert ours.ktcore.stream.host[0][0].shape[0] == experts.num_experts - n
+    a, b = peft_pair(plain, ours)
+    ids, mask = batch(9)
+    routed = a(ids, attention_mask=mask, output_router_logits=True).router_logits[0].topk(2, dim=-1).indices
+    assert (routed < n).any() and (routed >= n).any()  # both sides have work
+    assert_same_training_signal(a, b, ids, mask)
+
+
+def test_hybrid_matches_cpu_placement_on_deepseek():
+    """DeepSeek-V2 (shared experts after the routed ones: the CPU layers there overlap them) with one layer
+    hybrid by a rule and the other on the CPU backend, against the whole model on the CPU backend."""
+    plain = tiny_model("deepseek_v2", seed=6)
+    first = MOE_LAYERS["deepseek_v2"][0]
+    on_cpu = ktcore.wrap_model(copy.deepcopy(plain), {"kt_backend": "torch"})
+    ours = ktcore.wrap_model(copy.deepcopy(plain), {"kt_config": {
+        "kt_backend": "torch", "kt_hybrid_cpu_share": 0.5,
+        "kt_placement": [{"match": rf"layers\.{first}\.", "device": "hybrid"}]}})
+    assert len(ours.ktcore.stream.host) == 1 and len(ours.ktcore.layers) == 2
+    a, b = peft_pair(on_cpu, ours)
+    ref, ref_grads = lora_grads(a, *batch(10))
+    got, got_grads = lora_grads(b, *batch(10))
+    assert relative_error(got.logits, ref.logits) <= 1e-5  # measured 1e-7
+    for name in ref_grads:
+        assert relative_error(got_grads[name], ref_grads[name]) <= 1e-4, name  # measured 5e-7
+
+
+def test_hybrid_needs_its_share_before_any_weight(qwen3_pair):
+    _, ours = qwen3_pair
+    with pytest.raises(ConfigError, match="kt_hybrid_cpu_share is required"):
+        ktcore.wrap_model(ours, {"kt_config": {"kt_expert_placement": "hybrid"}})
+    assert not is_placeholder(ours.model.layers[0].mlp.experts.gate_up_proj)
+    with pytest.raises(ValueError, match="needs 1 to"):
+        hybrid(ours, share=0.01)
+
+
+def test_auto_is_one_line_before_any_weight(qwen3_pair):
+    _, ours = qwen3_pair
+    with pytest.raises(ConfigError, match="kt_expert_placement: auto is not implemented yet"):
+        ktcore.wrap_model(ours, {"kt_config": {"kt_expert_placement": "auto"}})
+    assert not is_placeholder(ours.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_stream_ring_must_hold_a_layer(qwen3_pair):
+    _, ours = qwen3_pair
+    with pytest.raises(ValueError, match="kt_stream_ring must be >= 1"):
+        streamed(ours, ring=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("ring", [1, 3])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("placement", ["gpu_stream", "hybrid"])
+def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring, placement):
+    """Experts pinned in host memory, copied on the side stream with the next layer prefetched, computed by
+    transformers' grouped kernel on CUDA in bf16 (hybrid: half of them, the CPU backend the other half at the
+    same time): as close to the fp32 truth as plain transformers in bf16
+    (loss and every LoRA gradient), and the bytes copied are the layers' (and again in backward with ring 1)."""
+    plain = tiny_model_of(family)
+    plain.save_pretrained(tmp_path / "model")
+    truth = copy.deepcopy(plain).to("cuda")
+    plain_bf16 = copy.deepcopy(plain).to("cuda", torch.bfloat16)
+    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_expert_placement":
+                                                                placement, "kt_stream_ring": ring,
+                                                                "kt_hybrid_cpu_share": 0.5}},
+                             device="cuda", dtype=torch.bfloat16, progress=False)
+    stream = ours.ktcore.stream
+    assert all(t.is_pinned() for layer in stream.host for t in layer)
+    truth, plain_bf16 = peft_pair(truth, plain_bf16)
+    torch.manual_seed(7)
+    ours = get_peft_model(ours, lora_config())
+    ids, mask = (t.cuda() for t in batch(8))
+    results = {name: lora_grads(m, ids, mask) for name, m in
+               (("truth", truth), ("plain_bf16", plain_bf16), ("ours", ours))}
+    ref_out, ref_grads = results["truth"]
+
+    def err(name):
+        out, grads = results[name]
+        return (relative_error(out.logits.float(), ref_out.logits),
+                max(relative_error(grads[n].float(), ref_grads[n]) for n in ref_grads))
+
+    (plain_logits, plain_grads), (our_logits, our_grads) = err("plain_bf16"), err("ours")
+    assert our_logits <= max(2 * plain_logits, 1e-2), (our_logits, plain_logits)
+    assert our_grads <= max(2 * plain_grads, 5e-2), (our_grads, plain_grads)
+    # forward copies every layer once; backward again each layer the ring no longer holds (ring 1: the first)
+    sizes = [sum(t.numel() * t.element_size() for t in layer) for layer in stream.host]
+    assert stream.copied_bytes == sum(sizes) + (sizes[0] if ring == 1 else 0)
+
+
+@pytest.mark.parametrize("placement", ["gpu_stream", "hybrid"])
+def test_load_model_streams_from_the_checkpoint(tmp_path, placement):
+    """The loading path (experts read from the safetensors into the stream and the backend) gives what
+    transformers + PEFT give on the same checkpoint."""
+    plain = tiny_model_of("qwen3_moe")
+    plain.save_pretrained(tmp_path / "model")
+    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_expert_placement": placement,
+                                                                "kt_stream_ring": 1, "kt_hybrid_cpu_share": 0.5}},
+                             progress=False)
+    assert len(ours.ktcore.streamed) == 2 and len(ours.ktcore.layers) == (2 if placement == "hybrid" else 0)
+    assert_same_training_signal(*peft_pair(plain, ours), *batch(11))
