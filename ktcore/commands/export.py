@@ -74,14 +74,9 @@ def _plan(adapter, arch, ckpt, names: dict, meta_model) -> dict:
 def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None, overwrite: bool = False) -> dict:
     """Merge ``cfg.adapter_name_or_path`` into ``cfg.model_name_or_path`` and write the model to ``out``
     (an earlier export there is replaced only with ``overwrite``)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from ..config import ConfigError, resolve_model_path
-    from ..model.wrap import find_arch
-    from ..weights.safetensors_reader import SafetensorsCheckpoint, checkpoint_names
 
+    # the config's mistakes first, one line each before torch or transformers is imported
     if not cfg.adapter_name_or_path:
         raise ConfigError(f"{cfg.where}: adapter_name_or_path is required (the adapter to merge)")
     base = Path(base) if base is not None else resolve_model_path(cfg)
@@ -91,6 +86,14 @@ def export_merged(cfg, out, *, max_shard_bytes: int = 2 << 30, base=None, overwr
     out = Path(out)
     if out.resolve() == base.resolve():
         raise ConfigError(f"--out {out} is the base model directory; choose another directory")
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..model.wrap import find_arch
+    from ..weights.safetensors_reader import SafetensorsCheckpoint, checkpoint_names
+
     adapter = load(cfg.adapter_name_or_path, base=base)
     hf_config = AutoConfig.from_pretrained(base)
     arch = find_arch(hf_config)

@@ -61,7 +61,7 @@ def check_backend(cfg: TrainConfig, training: bool = True) -> None:
         choice = resolve_backend(kt.kt_backend, weight_format=kt.kt_expert_weight_format, need_backward=training,
                                  need_lora=training)
     except PluginError as exc:
-        raise ConfigError(f"{cfg.where}: kt_config.kt_backend: {exc}".replace("\n", " ")) from exc
+        raise ConfigError(f"{cfg.where}: kt_config.kt_backend: " + " ".join(str(exc).split())) from exc  # one line
     if choice.spec is None:
         raise ConfigError(f"{cfg.where}: kt_config.kt_backend: auto: no installed expert backend can run here "
                           "(`ktcore list-backends --explain` says why)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 import warnings
 from pathlib import Path
 
@@ -37,13 +38,16 @@ GGUF_MAGIC = b"GGUF"
 
 @functools.lru_cache(maxsize=None)
 def _plain_reader_class(gguf):
-    """``gguf.GGUFReader`` over a plain ndarray view of its ``np.memmap``.
+    """``gguf.GGUFReader`` over a plain ndarray view of its ``np.memmap``, cutting metadata arrays in one pass.
 
     The reader slices its buffer a few times per metadata element (SmolLM2-135M: ~590,000 parts, most of them
     the tokenizer's 49,152 tokens and 48,900 merges). On an ``np.memmap`` every slice goes through memmap's
     Python-level ``__getitem__``/``__array_finalize__``: 2.8-4.1 s per parse of a 100 MB file on the 2-core
     host, 0.65-0.75 s on the plain view (benchmarks/RESULTS.md, "ktcore chat: load time"). The view keeps the
-    memmap (and so the mapping) alive through its ``base``; nothing else changes."""
+    memmap (and so the mapping) alive through its ``base``. An array of strings or numbers (in the host's byte
+    order) is then cut into the very parts gguf's reader makes, with one slice per part instead of its several
+    numpy calls each (tests/test_gguf.py compares every part)."""
+    value_type = gguf.GGUFValueType
 
     class PlainViewGGUFReader(gguf.GGUFReader):
         @property
@@ -53,6 +57,31 @@ def _plain_reader_class(gguf):
         @data.setter
         def data(self, value):
             self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != value_type.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            data = self._plain_data
+            item_type = data[orig_offs:orig_offs + 4].view(np.uint32)
+            count = data[orig_offs + 4:orig_offs + 12].view(np.uint64)
+            item, n = value_type(int(item_type[0])), int(count[0])
+            parts, offs = [item_type, count], orig_offs + 12
+            if item == value_type.STRING:  # per string: its uint64 length, then its bytes (the data part)
+                buffer = memoryview(data)
+                for _ in range(n):
+                    length = struct.unpack_from("=Q", buffer, offs)[0]
+                    parts += (data[offs:offs + 8].view(np.uint64), data[offs + 8:offs + 8 + length])
+                    offs += 8 + length
+                indices = list(range(3, 2 + 2 * n, 2))
+            elif item in self.gguf_scalar_to_np:  # per number: a one-element array
+                number = np.dtype(self.gguf_scalar_to_np[item])
+                values = data[offs:offs + n * number.itemsize].view(number)
+                parts += [values[i:i + 1] for i in range(n)]
+                offs += values.nbytes
+                indices = list(range(2, 2 + n))
+            else:  # arrays of arrays: gguf's own walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            return offs - orig_offs, parts, indices, [value_type.ARRAY] + ([item] if n else [])
 
     return PlainViewGGUFReader
 

@@ -17,9 +17,9 @@ the rest, each validated against the model directory's config and index first (`
 from __future__ import annotations
 
 import copy
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -127,16 +127,17 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
 
 
 def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bool = True,
-               progress: bool = True, hf_config=None):
+               progress: bool = True, hf_config=None, gguf: Optional[GGUFFile] = None):
     """Load the HF model in ``path`` (a directory saved by save_pretrained, or a ``.gguf`` file) with routed
     experts in the backend ``kt`` chooses. ``hf_config``: build from this (already adjusted) transformers
-    config instead of ``path``'s config.json (a training frontend that patches the config passes it)."""
+    config instead of ``path``'s config.json (a training frontend that patches the config passes it).
+    ``gguf``: the ``.gguf`` file's header as the caller already parsed it (``ktcore chat``), not parsed again."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     if path.suffix.lower() == ".gguf":
         return load_gguf_model(path, kt, device=device, dtype=dtype, need_backward=need_backward,
-                               progress=progress, hf_config=hf_config)
+                               progress=progress, hf_config=hf_config, file=gguf)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json; pass a model directory saved by save_pretrained")
     # a caller's config is copied, as from_pretrained copies it: loading sets its experts implementation and may
@@ -164,19 +165,20 @@ def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bo
 
 
 def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bool = True,
-                    progress: bool = True, hf_config=None):
+                    progress: bool = True, hf_config=None, file: Optional[GGUFFile] = None):
     """Load a ``.gguf`` file with its routed experts (or Llama MLPs) in the backend ``kt`` chooses.
 
     ``dtype`` defaults to float32 (GGUF tensors are F32/F16/BF16 or quantised; quantised tensors are
     dequantised, so there is no single on-disk dtype to keep). ``hf_config``: build from this config (the
-    metadata's, as a frontend patched it; see ``model_path.write_metadata_dir``) instead of the metadata's own."""
+    metadata's, as a frontend patched it; see ``model_path.write_metadata_dir``) instead of the metadata's own.
+    ``file``: ``path`` already opened (its header parsed); the caller closes it."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if uses_store(kt):
         raise CheckpointError(f"{path}: kt_weight_path, kt_non_expert_weight_path and kt_weight_lifecycle: "
                               "ephemeral take a safetensors model directory, not a .gguf file; remove them")
-    with GGUFFile(path) as file:
+    with (nullcontext(file) if file is not None else GGUFFile(path)) as file:
         hf_config = gguf_config(file) if hf_config is None else copy.deepcopy(hf_config)  # as load_model does
         dtype = _resolve_dtype(hf_config, dtype or getattr(hf_config, "dtype", None) or torch.float32)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -21,12 +21,39 @@ def _from_pretrained_args(path) -> tuple[str, dict]:
     return str(path), {}
 
 
-def load_tokenizer(path, trust_remote_code: bool = False):
-    """The tokenizer of a model directory, or the one a ``.gguf`` file's metadata describes."""
+def load_tokenizer(path, trust_remote_code: bool = False, config=None):
+    """The tokenizer of a model directory, or the one a ``.gguf`` file's metadata describes (``config``: the
+    config ktcore builds from that file's header, when the caller has it already; see ``gguf_tokenizer``)."""
     from transformers import AutoTokenizer
 
-    name, kwargs = _from_pretrained_args(path)
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    if is_gguf(path):
+        return gguf_tokenizer(Path(path), config)
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def gguf_tokenizer(path: Path, config=None):
+    """What ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` returns, without its detour.
+
+    AutoTokenizer first builds the file's transformers config only to pick the tokenizer class, and for a GGUF
+    architecture outside transformers' fast config table (llama among them) that is a whole second parse of
+    the file with gguf-py: about 3 s of SmolLM2-135M's 8 s ``ktcore chat`` load (benchmarks/RESULTS.md). The
+    class is the one AutoTokenizer's own table gives for that config, here ktcore's config of the same header
+    (built from the transformers mapping, tested equal); the class then reads and converts the tokenizer
+    itself, as it does under AutoTokenizer, so the tokens are transformers' own in every version ktcore runs
+    under. A ``tokenizer_config.json`` beside the file may name another class: then AutoTokenizer decides."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    if (path.parent / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if config is None:
+        from .gguf_reader import GGUFFile, gguf_config
+
+        with GGUFFile(path) as file:
+            config = gguf_config(file)
+    tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
+    return tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def record_base(model, path) -> None:
@@ -64,6 +91,7 @@ def write_metadata_dir(path, out) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with GGUFFile(path) as file:
-        gguf_config(file).save_pretrained(out)
-    load_tokenizer(path).save_pretrained(out)
+        config = gguf_config(file)
+    config.save_pretrained(out)
+    load_tokenizer(path, config=config).save_pretrained(out)
     return out
