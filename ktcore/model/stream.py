@@ -93,8 +93,9 @@ class _WeightsOf:
 
     def __init__(self, module, gate_up, down):
         sliced = gate_up.shape[0] != module.num_experts
+        # experts modules of transformers 5.25 carry _is_expert_parallel; those of 5.17 do not
         self.__dict__.update(_module=module, gate_up_proj=gate_up, down_proj=down, num_experts=gate_up.shape[0],
-                             _is_expert_parallel=sliced or module._is_expert_parallel)
+                             _is_expert_parallel=sliced or getattr(module, "_is_expert_parallel", False))
 
     def __getattr__(self, name):
         return getattr(self._module, name)
