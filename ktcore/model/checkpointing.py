@@ -5,11 +5,11 @@ which would compute every CPU expert forward twice. ``checkpoint_non_experts`` w
 ``torch.utils.checkpoint`` (non-reentrant), every piece of a decoder layer that holds no routed experts: the
 attention block, the dense MLP, the layer norms and the shared experts of an MoE block; the routed experts keep
 following ``kt_cpu_activation``. A wrapped piece keeps only its input for backward, which it recomputes: for
-DeepSeek-V2-Lite at 2,048 tokens a layer norm keeps its input in float32 (16 MiB) and the LoRA'd shared experts
-keep 87 MiB (their float32 LoRA inputs and the SiLU/up products) against a bf16 input of 8 MiB, so an MoE layer
-saves about 33 MiB instead of 128 MiB (measured: RESULTS.md, "peak GPU memory"). The recompute is GPU work the
-size of the pieces' forward, run in backward while the CPU computes that layer's experts. The TRL frontend and
-``ktcore bench train`` use it.
+DeepSeek-V2-Lite at 2,048 tokens a layer norm would keep its input in float32 (16 MiB, against 8 MiB in bf16)
+and the LoRA'd shared experts 41 MiB (against their 8 MiB input), so an MoE layer keeps about 40 MiB instead of
+89 MiB (measured: benchmarks/RESULTS.md, "Peak GPU memory with gradient checkpointing"). The recompute is GPU
+work the size of the pieces' forward; the shared experts' runs while the CPU computes that layer's expert
+backward. The TRL frontend and ``ktcore bench train`` use it.
 """
 
 from __future__ import annotations
