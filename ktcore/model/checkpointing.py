@@ -5,12 +5,12 @@ which would compute every CPU expert forward twice. ``checkpoint_non_experts`` c
 as well (``torch.utils.checkpoint``, non-reentrant), so a layer keeps only its input for backward, but the
 routed experts' output of the forward is kept and handed back when backward recomputes the layer
 (``ktcore.experts.replay``): the CPU computes each layer's experts once, and they keep or recompute their own
-activations as ``kt_cpu_activation`` says. For DeepSeek-V2-Lite at 2,048 tokens an MoE layer then keeps 16 MiB
-(its input and the experts' output, bf16) where checkpointing its attention alone kept 89 MiB (float32 inputs of
-the layer norms, the LoRA'd shared experts' float32 inputs and intermediates; benchmarks/RESULTS.md, "Peak GPU
-memory with gradient checkpointing"). The recompute is the layer's GPU work once more, run in backward; the
-shared experts' part of it while the CPU computes the layer's expert backward. The TRL frontend and
-``ktcore bench train`` use it.
+activations as ``kt_cpu_activation`` says. For DeepSeek-V2-Lite at 2,048 tokens an MoE layer then keeps about
+21 MiB (its input and the experts' output, 8 MiB each), where checkpointing its attention alone kept 89 MiB
+(float32 inputs of the layer norms, the LoRA'd shared experts' float32 inputs and intermediates;
+benchmarks/RESULTS.md, "Peak GPU memory with gradient checkpointing"). The recompute is the layer's GPU work
+once more, run in backward; the shared experts' part of it while the CPU computes the layer's expert backward.
+The TRL frontend and ``ktcore bench train`` use it.
 """
 
 from __future__ import annotations
