@@ -7,10 +7,11 @@ on the CPU, where the step's CPU tensors are counted (``ktcore.model.memory.Live
 the tensors the allocator holds (the routed experts' backend runs on other threads, in host memory there as
 here). Each variant is one way of running the step:
 
-- ``before``: attention blocks and dense MLPs checkpointed, transformers' loss on the full logits (the code
-  before ktcore.model.lm_loss and the wider ``checkpoint_non_experts``);
+- ``before``: attention blocks and dense MLPs checkpointed (``ktcore.testing.checkpointing``), transformers'
+  loss on the full logits (the code before ``ktcore.model.lm_loss`` and whole-layer ``checkpoint_non_experts``);
 - ``chunked-loss``: the same checkpointing, the loss over chunks of the LM head (``ktcore.model.lm_loss``);
-- ``now``: what ``ktcore train`` and ``ktcore bench train --gradient-checkpointing`` run.
+- ``now``: what ``ktcore train`` and ``ktcore bench train --gradient-checkpointing`` run: whole decoder layers
+  checkpointed, the routed experts' output replayed in the recompute.
 
     python benchmarks/train_memory.py --layers 6,12 --tokens 2048            # on the GPU
     python benchmarks/train_memory.py --layers 2,3 --tokens 2048 --device cpu
@@ -34,15 +35,9 @@ import ktcore
 from ktcore.commands.bench_train import SHAPES, lora_config, make_config, train_steps, write_random_model
 from ktcore.model.checkpointing import checkpoint_non_experts
 from ktcore.model.lm_loss import chunk_lm_loss
+from ktcore.testing.checkpointing import checkpoint_attention_only
 
 VARIANTS = ("before", "chunked-loss", "now")
-
-
-def attention_only(base) -> None:
-    """The checkpointing before this change: attention blocks and dense MLPs only."""
-    for name in checkpoint_non_experts(base):
-        if not name.endswith((".self_attn", ".mlp")):
-            vars(base.get_submodule(name)).pop("forward")
 
 
 def measure(model_dir: Path, variant: str, tokens: int, rank: int, backend: str, device: torch.device) -> dict:
@@ -56,9 +51,7 @@ def measure(model_dir: Path, variant: str, tokens: int, rank: int, backend: str,
     base = ktcore.load_model(model_dir, {"kt_backend": backend}, device=device, dtype=torch.bfloat16, progress=False)
     if variant != "before":
         chunk_lm_loss(base)
-    checkpoint_non_experts(base)
-    if variant != "now":
-        attention_only(base)
+    (checkpoint_non_experts if variant == "now" else checkpoint_attention_only)(base)
     torch.manual_seed(0)
     model = get_peft_model(base, lora_config(base, rank))
     model.train()

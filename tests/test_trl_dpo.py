@@ -212,9 +212,7 @@ def _counting_model(model_dir, how: str):
     cfg = config_from_dict({**KT, "lora_target": "all", "kt_cpu_activation": "retain"}, quiet=True)
     base = _fresh_base(model_dir)
     if how == "ktcore":
-        assert checkpoint_non_experts(base) == [
-            f"model.layers.{i}.{piece}" for i in range(3)
-            for piece in ("self_attn", *(["mlp"] if i == 1 else []), "input_layernorm", "post_attention_layernorm")]
+        assert checkpoint_non_experts(base) == ["model.layers.0", "model.layers.1", "model.layers.2"]
     elif how == "transformers":
         base.gradient_checkpointing_enable({"use_reentrant": False})
     torch.manual_seed(0)  # the same LoRA A init in every variant
@@ -264,7 +262,7 @@ def test_gradient_checkpointing_runs_cpu_experts_once(model_dir):
     loss, grads, calls = results["none"]
     assert calls == {"forward": 2, "backward": 2}  # two MoE layers
     k_loss, k_grads, k_calls = results["ktcore"]
-    assert k_calls == calls, "attention-only checkpointing must not re-run the CPU experts"
+    assert k_calls == calls, "ktcore's checkpointing must not re-run the CPU experts (they are replayed)"
     assert k_loss == pytest.approx(loss, rel=1e-6)
     assert grads.keys() == k_grads.keys() and any("experts" in n for n in grads)
     for name in grads:

@@ -25,6 +25,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
+from . import replay
 from .staging import CudaStaging, stager, staging_for
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -227,6 +228,9 @@ class ExpertLayer:
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  lora: Optional[ExpertLoRA] = None) -> torch.Tensor:
+        y = replay.replayed()
+        if y is not None:  # a checkpointed layer recomputed in backward: the backend's work is done already
+            return y
         lora = lora if lora is not None and not lora.empty else None
         lora_tensors = lora.tensors() if lora else (None,) * 4
         scales = (lora.gate_up_scale, lora.down_scale) if lora else (1.0, 1.0)
@@ -235,6 +239,7 @@ class ExpertLayer:
         y = ExpertsFunction.apply(job, deferred, x, topk_ids, topk_weights, *lora_tensors)
         if deferred:
             self.overlap.hold(job, y)  # made valid (ExpertsResult) once the shared experts are enqueued
+        replay.record(y)
         return y
 
 

@@ -22,8 +22,9 @@ layer's forward, routed experts included -- a second CPU expert forward per laye
 ``kt_cpu_activation: retain`` already kept what the experts' backward needs. (torch's early stop of a
 non-reentrant recompute hides this only where nothing after the experts saves a tensor, as in Qwen3-MoE;
 DeepSeek's shared experts run after them.) With ``use_kt`` the frontend
-therefore checkpoints only the attention blocks and dense MLPs (``ktcore.model.checkpointing``); the routed experts
-run once forward and keep (retain) or recompute (recompute) their own activations, as configured.
+therefore checkpoints whole layers its own way (``ktcore.model.checkpointing``): the routed experts' output is
+replayed in the recompute, so they run once forward and keep (retain) or recompute (recompute) their own
+activations, as configured. ``use_kt`` models also get the chunked training loss (``ktcore.model.lm_loss``).
 """
 
 from __future__ import annotations
