@@ -65,7 +65,7 @@ def test_leaves_as_amx_bf16_builds_them(tmp_path):
     """amx_bf16's kernel file as CMake builds it (-O3, its flags, -mtune=sapphirerapids, default contraction), with
     the FMA-chain avoidance newer GCCs turn on for that tuning forced on (--param avoid-fma-max-bits=512): the
     compiler then fuses some multiply-adds and not others, which made the AMX backend's LoRA gradients depend on
-    its thread count on the device (outer's 16-column positions fused differently) until outer fused them all itself.
-    Same bounds, and the split check, as every build."""
+    its thread count on the device (a column's bits followed the path of outer it took) until outer fused them all
+    itself. Same bounds, and the split check, as every build."""
     _run(tmp_path, "amx_kernel_file", [*_amx_kernel_flags(), "--param", "avoid-fma-max-bits=512"], contract="fast",
          opt="-O3")

@@ -290,8 +290,8 @@ def test_lora_gradients_do_not_depend_on_the_thread_count(isa):
     gate, up, down = (torch.randint(0, 256, (E, n, B.row_bytes(k, "q8_0")), generator=g, dtype=torch.uint8)
                       for n, k in ((I, H), (I, H), (H, I)))
     for arr in (gate, up, down):  # small finite fp16 scales
-        arr.view(-1, B.block_info("q8_0")[1])[:, 0:2] = (
-            (torch.randn(arr.numel() // B.block_info("q8_0")[1], generator=g) * 1e-2).half().view(torch.uint8).view(-1, 2))
+        blocks = arr.view(-1, B.block_info("q8_0")[1])
+        blocks[:, 0:2] = (torch.randn(blocks.shape[0], generator=g) * 1e-2).half().view(torch.uint8).view(-1, 2)
     lora = ExpertLoRA(torch.randn(E, r, H, generator=g) * H ** -0.5, torch.randn(E, 2 * I, r, generator=g) * 0.1,
                       torch.randn(E, r, I, generator=g) * I ** -0.5, torch.randn(E, H, r, generator=g) * 0.1, 0.5, 2.0)
     x, gy = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
