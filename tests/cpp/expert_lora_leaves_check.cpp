@@ -1,12 +1,14 @@
 // Checks of ktcore/include/ktcore/expert_lora.hpp on the leaf routines of expert_lora_leaves.inc, built by
 // tests/test_expert_lora_leaves.py once per instruction set this CPU runs: every function against a float64 loop
 // written here, at ragged sizes (ranks 1..11, rows and columns that are not multiples of any vector width, fp32 and
-// bf16 operands, rows picked through an index, strided factors). Prints one line per failed check, then a hash of
+// bf16 operands, rows picked through an index, strided factors), and that a gradient's bits do not depend on how its
+// columns are split among calls. Prints one line per failed check, then a hash of
 // every result (with -ffp-contract=off the leaves promise the same bits on every instruction set), and exits 1 if a
 // check failed.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -135,6 +137,28 @@ int main() {
             }
           near("grad_columns", got, want, mag, rank, m, n);
           mix(got.data(), got.size());
+
+          // the same gradient from calls over pieces of the columns (the engines hand each task a piece, whose
+          // bounds move with the thread count): every element's bits as from the one call over all of them
+          const std::vector<std::vector<int64_t>> splits = {{16, 32, 48, 64, 80, 96, 112, 128}, {5, 37, 48}, {17}};
+          const int64_t es = bf16 ? 2 : 4, at = e * n * rank * es;  // element bytes; expert e's part (the rest: random)
+          for (const auto& cuts : splits) {
+            Buf pieces(E * n * rank, bf16);
+            g.p = pieces.addr();
+            int64_t c0 = 0;
+            for (size_t p = 0; p <= cuts.size() && c0 < n; ++p) {
+              const int64_t c1 = p < cuts.size() && cuts[p] < n ? cuts[p] : n;
+              lora::grad_columns(L, g, rank, 0.75f, e, c0, c1 - c0, q.data(), wt.f.data(),
+                                 static_cast<const char*>(act.p()) + c0 * es, bf16, ld, rows.data(), 0, m, s);
+              c0 = c1;
+            }
+            if (std::memcmp(static_cast<const char*>(grad.p()) + at, static_cast<const char*>(pieces.p()) + at,
+                            n * rank * es) != 0) {
+              std::printf("FAIL: grad_columns in pieces (cuts from %lld) is not one call's, rank %d m %lld n %lld\n",
+                          (long long)cuts[0], rank, (long long)m, (long long)n);
+              ++failures;
+            }
+          }
         }
   std::printf("hash %016llx\n", (unsigned long long)hash);
   if (failures) return 1;

@@ -272,3 +272,38 @@ def test_fused_forward_equals_phased_forward(types, isa):
                 assert (a is None) == (b is None)
                 if a is not None:
                     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "auto"])
+def test_lora_gradients_do_not_depend_on_the_thread_count(isa):
+    """1, 2 and 3 threads, bit for bit: output, grad_x, router-weight grads and every LoRA gradient. Each backward
+    task writes its expert's LoRA gradients on a piece of the columns; here the pieces are 256 columns whatever the
+    threads (and the shared routine's bits do not depend on the pieces, tests/test_expert_lora_leaves.py), so this
+    fails where a change makes the pieces or any sum follow the thread count in a way that moves bits, as amx_bf16's
+    share of columns did with the shared outer under its own compiler flags."""
+    from ktcore.experts import ExpertLoRA
+    from ktcore_llamafile.backend import LlamafileBackend
+
+    g = torch.Generator().manual_seed(11)
+    E, H, I, K, T, r = 4, 256, 200, 2, 60, 3
+    types = ("q8_0",) * 3
+    gate, up, down = (torch.randint(0, 256, (E, n, B.row_bytes(k, "q8_0")), generator=g, dtype=torch.uint8)
+                      for n, k in ((I, H), (I, H), (H, I)))
+    for arr in (gate, up, down):  # small finite fp16 scales
+        blocks = arr.view(-1, B.block_info("q8_0")[1])
+        blocks[:, 0:2] = (torch.randn(blocks.shape[0], generator=g) * 1e-2).half().view(torch.uint8).view(-1, 2)
+    lora = ExpertLoRA(torch.randn(E, r, H, generator=g) * H ** -0.5, torch.randn(E, 2 * I, r, generator=g) * 0.1,
+                      torch.randn(E, r, I, generator=g) * I ** -0.5, torch.randn(E, H, r, generator=g) * 0.1, 0.5, 2.0)
+    x, gy = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    w = torch.rand(T, K, generator=g)
+    runs = []
+    for threads in (1, 2, 3):
+        be = LlamafileBackend(KTConfig(kt_num_threads=threads), isa=isa)
+        packed = be.pack_blocks(gate, up, down, types, H, I)
+        y, ctx = be.forward(packed, x, ids, w, lora, save=True)
+        gx, gw, gl = be.backward(packed, ctx, gy, lora)
+        runs.append([y, gx, gw, *gl.tensors()])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

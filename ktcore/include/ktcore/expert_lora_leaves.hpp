@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>  // the .inc's explicit fused multiply-adds
+#endif
 
 namespace ktcore {
 namespace lora {
