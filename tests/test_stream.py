@@ -196,6 +196,6 @@ def test_load_model_streams_from_the_checkpoint(tmp_path, placement):
     plain.save_pretrained(tmp_path / "model")
     ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_expert_placement": placement,
                                                                 "kt_stream_ring": 1, "kt_hybrid_cpu_share": 0.5}},
-                             progress=False)
+                             device="cpu", progress=False)
     assert len(ours.ktcore.streamed) == 2 and len(ours.ktcore.layers) == (2 if placement == "hybrid" else 0)
     assert_same_training_signal(*peft_pair(plain, ours), *batch(11))

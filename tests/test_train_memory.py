@@ -68,7 +68,8 @@ def test_chunked_loss_and_checkpointing_give_transformers_loss_and_gradients(mod
     kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     plain = _peft(AutoModelForCausalLM.from_pretrained(models[shape], dtype=torch.float32))
     expected, expected_grads = _step(plain, **kwargs)
-    base = ktcore.load_model(models[shape], {"kt_backend": "torch"}, dtype=torch.float32, progress=False)
+    base = ktcore.load_model(models[shape], {"kt_backend": "torch"}, device="cpu", dtype=torch.float32,
+                             progress=False)
     chunk_lm_loss(base)
     checkpoint_non_experts(base)
     model = _peft(base)
@@ -98,7 +99,7 @@ def _phases(model_dir, variant: str, dtype=torch.bfloat16) -> dict:
     if variant == "plain":
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:
-        base = ktcore.load_model(model_dir, {"kt_backend": "torch"}, dtype=dtype, progress=False)
+        base = ktcore.load_model(model_dir, {"kt_backend": "torch"}, device="cpu", dtype=dtype, progress=False)
         chunk_lm_loss(base)
         (checkpoint_attention_only if variant == "attention-only" else checkpoint_non_experts)(base)
     model = _peft(base)
