@@ -11,9 +11,7 @@ accumulate the LoRA gradients per expert in row order.
 
 from __future__ import annotations
 
-import math
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -21,6 +19,7 @@ from typing import Optional
 import torch
 
 from ktcore.experts import hugepages
+from ktcore.experts.native_call import Workspace, address, token_rows
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
@@ -114,32 +113,7 @@ class _Prof:
             self.t = now
 
 
-def _addr(t) -> int:
-    return 0 if t is None else t.data_ptr()
 
-
-def _token_rows(t: torch.Tensor) -> torch.Tensor:
-    """t [T, H] as the kernels read token rows: fp32 or bf16, contiguous."""
-    return (t if t.dtype in (torch.float32, torch.bfloat16) else t.float()).contiguous()
-
-
-class _Workspace(threading.local):
-    """Per-thread scratch buffers that live only within one forward or backward call, kept between calls.
-
-    A fresh large tensor is mmapped and page-faulted in on every call, which costs as much as whole kernel phases
-    (benchmarks/RESULTS.md). Buffers grow to the largest call seen and are never handed out of the call that asked
-    for them."""
-
-    def __init__(self):
-        self.buffers: dict = {}
-
-    def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        n = math.prod(shape)
-        buf = self.buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < n:
-            buf = torch.empty(n + n // 4, dtype=dtype)  # some headroom: the next batch may be a little larger
-            self.buffers[name] = buf
-        return buf[:n].view(shape)
 
 
 class AMXBF16Backend(ExpertBackendBase):
@@ -160,7 +134,7 @@ class AMXBF16Backend(ExpertBackendBase):
         threads = kt.kt_num_threads or len(os.sched_getaffinity(0))
         pools = kt.kt_threadpool_count if kt.kt_tp_enabled else 1
         self._engine = ext.Engine(int(threads), int(pools), kernels)
-        self._ws = _Workspace()
+        self._ws = Workspace()
         self._saved = SavedBufferPool()
 
     @property
@@ -240,7 +214,7 @@ class AMXBF16Backend(ExpertBackendBase):
         route = self._route(topk_ids, topk_weights, E)
         R = route.R
         prof("fwd.route")
-        x_rows = _token_rows(x)
+        x_rows = token_rows(x)
         xs = self._gather(x_rows, route, hp)
         prof("fwd.gather")
         ldh = _ld(ip)
@@ -257,14 +231,14 @@ class AMXBF16Backend(ExpertBackendBase):
         ax = buffer("ax", (R, lora_gu.rank), torch.float32) if lora_gu else None
         off = route.offsets
         eng.gate_up(xs.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
-                    packed.up.data_ptr(), E, H, I, h.data_ptr(), _addr(g), _addr(u), ldh,
+                    packed.up.data_ptr(), E, H, I, h.data_ptr(), address(g), address(u), ldh,
                     lora_gu and lora_gu.native(_ext()), x_rows.data_ptr(), x_rows.dtype == torch.bfloat16,
-                    x_rows.stride(0), route.row_tok.data_ptr(), _addr(ax))
+                    x_rows.stride(0), route.row_tok.data_ptr(), address(ax))
         prof("fwd.gate_up")
         ah = buffer("ah", (R, lora_dn.rank), torch.float32) if lora_dn else None
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr(), ldh,
-                 lora_dn and lora_dn.native(_ext()), _addr(ah))
+                 lora_dn and lora_dn.native(_ext()), address(ah))
         prof("fwd.down")
         out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         y = torch.empty(route.T, H, dtype=out_dtype)
@@ -291,7 +265,7 @@ class AMXBF16Backend(ExpertBackendBase):
             raise ValueError("backward's expert LoRA must be the one its forward ran with")
 
         prof = _Prof()
-        gy_rows = _token_rows(grad_y)
+        gy_rows = token_rows(grad_y)
         gys = self._gather(gy_rows, route, hp)
         prof("bwd.gather")
         gh = self._ws.get("gh", (R, I), torch.float32)
@@ -300,7 +274,7 @@ class AMXBF16Backend(ExpertBackendBase):
         eng.bwd_down(gys.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.down.data_ptr(), E, H, I,
                      gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(),
                      gy_rows.dtype == torch.bfloat16, gy_rows.stride(0), route.row_tok.data_ptr(),
-                     route.w_row.data_ptr(), ctx.h.data_ptr(), ctx.h.shape[1], _addr(ctx.ah), _addr(qd))
+                     route.w_row.data_ptr(), ctx.h.data_ptr(), ctx.h.shape[1], address(ctx.ah), address(qd))
         prof("bwd.down")
         ggu = self._ws.get("ggu", (route.padded_rows, 2 * ip), torch.bfloat16)  # tiled like the gathered rows
         # expert LoRA reads the same bf16 gradients as plain rows (a tiled row is not contiguous)
@@ -308,15 +282,15 @@ class AMXBF16Backend(ExpertBackendBase):
         grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
         eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
         eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
-                    off.data_ptr(), route.padded.data_ptr(), E, I, ggu.data_ptr(), _addr(ggu_rows), grad_w.data_ptr(),
+                    off.data_ptr(), route.padded.data_ptr(), E, I, ggu.data_ptr(), address(ggu_rows), grad_w.data_ptr(),
                     ctx.h.shape[1], route.order.data_ptr())
         prof("bwd.act")
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         qg = self._ws.get("qg", (R, lora_gu.rank), torch.float32) if lora_gu else None
         eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
                         packed.up.data_ptr(), E, H, I, parts.data_ptr(), lora_gu and lora_gu.native(_ext()),
-                        _addr(ggu_rows), ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
-                        route.row_tok.data_ptr(), _addr(ctx.ax), _addr(qg))
+                        address(ggu_rows), ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
+                        route.row_tok.data_ptr(), address(ctx.ax), address(qg))
         prof("bwd.gate_up")
         gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
         grad_x = torch.empty(T, H, dtype=gx_dtype)

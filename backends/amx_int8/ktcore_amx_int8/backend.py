@@ -12,15 +12,14 @@ weights enters. Expert LoRA (fp32/bf16) runs inside the same phases (ktcore/incl
 
 from __future__ import annotations
 
-import math
 import os
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, hugepages
+from ktcore.experts.native_call import Workspace, address, token_rows
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 from ktcore.weights.int8 import LAYOUT, Int8Experts
@@ -107,29 +106,7 @@ class Int8Saved:
     lease: Lease  # owns g, u, h, ax and ah: they go back to the backend's pool with this context
 
 
-def _addr(t) -> int:
-    return 0 if t is None else t.data_ptr()
 
-
-def _token_rows(t: torch.Tensor) -> torch.Tensor:
-    """t [T, H] as the kernels read token rows: fp32 or bf16, contiguous."""
-    return (t if t.dtype in (torch.float32, torch.bfloat16) else t.float()).contiguous()
-
-
-class _Workspace(threading.local):
-    """Per-thread scratch buffers that live only within one forward or backward call, kept between calls (a fresh
-    large tensor is page-faulted in on every call). Buffers grow to the largest call seen."""
-
-    def __init__(self):
-        self.buffers: dict = {}
-
-    def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        n = math.prod(shape)
-        buf = self.buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < n:
-            buf = torch.empty(n + n // 4, dtype=dtype)  # some headroom: the next batch may be a little larger
-            self.buffers[name] = buf
-        return buf[:n].view(shape)
 
 
 class AMXInt8Backend(ExpertBackendBase):
@@ -151,7 +128,7 @@ class AMXInt8Backend(ExpertBackendBase):
         except RuntimeError as exc:
             raise RuntimeError(f"the amx_int8 backend cannot run here: {exc}; choose kt_backend: torch with "
                                "kt_expert_weight_format: bf16 on this CPU") from None
-        self._ws = _Workspace()
+        self._ws = Workspace()
         self._saved = SavedBufferPool()
 
     @property
@@ -270,7 +247,7 @@ class AMXInt8Backend(ExpertBackendBase):
         scales = self._ws.get(name + "_scales", (route.R,), torch.float32)
         self._engine.quantize_rows(src.data_ptr(), src.dtype == torch.bfloat16, src.stride(0), n, npad,
                                    route.offsets.data_ptr(), route.padded.data_ptr(), len(route.offsets) - 1,
-                                   route.row_tok.data_ptr() if by_token else 0, _addr(mul), codes.data_ptr(), lda,
+                                   route.row_tok.data_ptr() if by_token else 0, address(mul), codes.data_ptr(), lda,
                                    scales.data_ptr())
         return codes, lda, scales
 
@@ -285,7 +262,7 @@ class AMXInt8Backend(ExpertBackendBase):
         lora_gu, lora_dn = native_projections(lora, E, H, I)
         route = self._route(topk_ids, topk_weights, E)
         R, off, poff = route.R, route.offsets, route.padded
-        x_rows = _token_rows(x)
+        x_rows = token_rows(x)
         xq, lda_x, xs = self._quantize("xq", route, x_rows, H, hp, by_token=True)
         lease = self._saved.lease() if save else None
 
@@ -299,14 +276,14 @@ class AMXInt8Backend(ExpertBackendBase):
         ax = buffer("ax", (R, lora_gu.rank), torch.float32) if lora_gu else None
         eng.gate_up(xq.data_ptr(), lda_x, xs.data_ptr(), off.data_ptr(), poff.data_ptr(), packed.gate.data_ptr(),
                     packed.gate_scales.data_ptr(), packed.up.data_ptr(), packed.up_scales.data_ptr(), E, H, I,
-                    h.data_ptr(), ip, _addr(g), _addr(u), lora_gu and lora_gu.native(_ext()), x_rows.data_ptr(),
-                    x_rows.dtype == torch.bfloat16, x_rows.stride(0), route.row_tok.data_ptr(), _addr(ax))
+                    h.data_ptr(), ip, address(g), address(u), lora_gu and lora_gu.native(_ext()), x_rows.data_ptr(),
+                    x_rows.dtype == torch.bfloat16, x_rows.stride(0), route.row_tok.data_ptr(), address(ax))
         hq, lda_h, hs = self._quantize("hq", route, h, I, ip, by_token=False)
         ah = buffer("ah", (R, lora_dn.rank), torch.float32) if lora_dn else None
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         eng.down(hq.data_ptr(), lda_h, hs.data_ptr(), off.data_ptr(), poff.data_ptr(), packed.down.data_ptr(),
                  packed.down_scales.data_ptr(), E, H, I, parts.data_ptr(), lora_dn and lora_dn.native(_ext()),
-                 h.data_ptr(), ip, _addr(ah))
+                 h.data_ptr(), ip, address(ah))
         out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         y = torch.empty(route.T, H, dtype=out_dtype)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
@@ -329,7 +306,7 @@ class AMXInt8Backend(ExpertBackendBase):
         if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
             raise ValueError("backward's expert LoRA must be the one its forward ran with")
 
-        gy_rows = _token_rows(grad_y)
+        gy_rows = token_rows(grad_y)
         # gy . (codes * scales) = (gy * scales) . codes: the down scales go into the rows before they are quantised
         gyq, lda_gy, gys = self._quantize("gyq", route, gy_rows, H, hp, by_token=True, mul=packed.down_scales)
         gh = self._ws.get("gh", (R, I), torch.float32)
@@ -338,7 +315,7 @@ class AMXInt8Backend(ExpertBackendBase):
         eng.bwd_down(gyq.data_ptr(), lda_gy, gys.data_ptr(), off.data_ptr(), poff.data_ptr(), packed.down.data_ptr(),
                      E, H, I, gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(),
                      gy_rows.dtype == torch.bfloat16, gy_rows.stride(0), route.row_tok.data_ptr(),
-                     route.w_row.data_ptr(), ctx.h.data_ptr(), ip, _addr(ctx.ah), _addr(qd))
+                     route.w_row.data_ptr(), ctx.h.data_ptr(), ip, address(ctx.ah), address(qd))
         lda_gg = _ld(2 * ip)
         ggq = self._ws.get("ggq", (route.padded_rows, lda_gg), torch.int8)
         ggs = self._ws.get("ggs", (R,), torch.float32)
@@ -354,8 +331,8 @@ class AMXInt8Backend(ExpertBackendBase):
         eng.bwd_gate_up(ggq.data_ptr(), lda_gg, ggs.data_ptr(), off.data_ptr(), poff.data_ptr(),
                         packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I, parts.data_ptr(),
                         lora_gu and lora_gu.native(_ext()), ggu32.data_ptr(), ctx.x.data_ptr(),
-                        ctx.x.dtype == torch.bfloat16, ctx.x.stride(0), route.row_tok.data_ptr(), _addr(ctx.ax),
-                        _addr(qg))
+                        ctx.x.dtype == torch.bfloat16, ctx.x.stride(0), route.row_tok.data_ptr(), address(ctx.ax),
+                        address(qg))
         gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
         grad_x = torch.empty(T, H, dtype=gx_dtype)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ktcore.experts.native_call import address
 from ktcore.experts.native_lora import NativeProjection, native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
@@ -151,9 +152,6 @@ class _Acts:
             self.xf = F.pad(xs, (0, kp - k)).contiguous() if kp != k else xs.contiguous()
             self.ptrs = (0, 0, 0, self.xf.data_ptr())
 
-
-def _addr(t) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 def _native(proj: Optional[NativeProjection]):
@@ -318,7 +316,7 @@ class LlamafileBackend(ExpertBackendBase):
                 q: Optional[torch.Tensor] = None) -> None:
         """out = the projection of the rows (plus lora's term, B columns lora_c0.. times q, where given)."""
         b = proj.blocks
-        tail = (out.data_ptr(), out.stride(0), lora, lora_c0, _addr(q))
+        tail = (out.data_ptr(), out.stride(0), lora, lora_c0, address(q))
         if proj.quantised and acts.bits == 16:
             self._engine.matmul16(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.kp,
                                   route.offsets.data_ptr(), b.shape[0], *acts.ptrs[:3], *tail)
@@ -333,13 +331,13 @@ class LlamafileBackend(ExpertBackendBase):
         b = proj.blocks
         self._engine.matmul_t(proj.qtype, b.data_ptr(), b.stride(0), proj.row_bytes, proj.n, proj.k,
                               route.offsets.data_ptr(), b.shape[0], g.data_ptr(), g.stride(0), out.data_ptr(),
-                              out.stride(0), lora, _addr(q_in), _addr(v_in), 0 if v_in is None else v_in.stride(0),
-                              _addr(in_rows), _addr(u_b), b_c0)
+                              out.stride(0), lora, address(q_in), address(v_in), 0 if v_in is None else v_in.stride(0),
+                              address(in_rows), address(u_b), b_c0)
 
     def _lora_rank(self, lora, which: int, c0: int, n: int, src: torch.Tensor, rows, route: _Route, q: torch.Tensor,
                    accumulate: bool = False) -> None:
         """q (+)= A_e src_r (which 0) or B_e^T src_r (which 1, B's columns c0..c0+n) for every routed row."""
-        self._engine.lora_rank(lora, which, c0, n, src.data_ptr(), src.stride(0), _addr(rows),
+        self._engine.lora_rank(lora, which, c0, n, src.data_ptr(), src.stride(0), address(rows),
                                route.offsets.data_ptr(), len(route.offsets) - 1, q.data_ptr(), accumulate)
 
     # -- forward -------------------------------------------------------------------------------------------
@@ -400,8 +398,8 @@ class LlamafileBackend(ExpertBackendBase):
         # without save, the routing and the intermediates stay in the engine's own buffers (addresses 0)
         R = self._engine.forward16(packed.native_layer, xf.data_ptr(), xf.stride(0), T, K, ids.data_ptr(),
                                    wts.data_ptr(), *[t.data_ptr() for t in route_arrays] or [0] * 4, y.data_ptr(),
-                                   y.stride(0), *[t.data_ptr() for t in saved] or [0] * 4, gu, dn, _addr(ax),
-                                   _addr(ah))
+                                   y.stride(0), *[t.data_ptr() for t in saved] or [0] * 4, gu, dn, address(ax),
+                                   address(ah))
         ctx = None
         if save:
             offsets, order, row_tok, w_row = route_arrays
