@@ -1,10 +1,11 @@
 """What the native backends' Python sides share when they call their kernels: tensor addresses, token rows in a
-layout the kernels read, and per-thread scratch buffers kept between calls."""
+layout the kernels read, per-thread scratch buffers kept between calls, and the routing their engines sort."""
 
 from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -37,3 +38,40 @@ class Workspace(threading.local):
             buf = torch.empty(n + n // 4, dtype=dtype)  # some headroom: the next batch may be a little larger
             self.buffers[name] = buf
         return buf[:n].view(shape)
+
+
+@dataclass
+class Route:
+    """One call's routing as the native engines sort it: the (token, slot) pairs grouped by expert into rows."""
+
+    T: int
+    K: int
+    R: int
+    offsets: torch.Tensor  # int64 [E+1]
+    padded: torch.Tensor  # int64 [E+1]: expert e's rows start at padded[e] in the engine's padded row buffers
+    row_tok: torch.Tensor  # int32 [R]
+    row_of: torch.Tensor  # int32 [T*K], -1 for no expert
+    order: torch.Tensor  # int64 [R]: flat slot index of each row
+    w_flat: torch.Tensor  # fp32 [T*K]
+    w_row: torch.Tensor  # fp32 [R]
+
+    @property
+    def padded_rows(self) -> int:
+        return int(self.padded[-1])
+
+
+def route_rows(engine, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> Route:
+    """``engine.route``'s counting sort in C++ (no torch kernels, so torch's own CPU threads stay asleep)."""
+    T, K = topk_ids.shape
+    n = T * K
+    ids = topk_ids.to(torch.int64).contiguous()
+    w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64)
+    padded = torch.empty(num_experts + 1, dtype=torch.int64)
+    row_tok = torch.empty(n, dtype=torch.int32)
+    row_of = torch.empty(n, dtype=torch.int32)
+    order = torch.empty(n, dtype=torch.int64)
+    w_row = torch.empty(n, dtype=torch.float32)
+    R = engine.route(ids.data_ptr(), T, K, num_experts, w_flat.data_ptr(), offsets.data_ptr(), padded.data_ptr(),
+                     row_tok.data_ptr(), row_of.data_ptr(), order.data_ptr(), w_row.data_ptr())
+    return Route(T, K, R, offsets, padded, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])

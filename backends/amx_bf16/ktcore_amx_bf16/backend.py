@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ktcore.experts import hugepages
-from ktcore.experts.native_call import Workspace, address, token_rows
+from ktcore.experts.native_call import Route, Workspace, address, route_rows, token_rows
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
@@ -60,28 +60,11 @@ class AMXPacked:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-@dataclass
-class _Route:
-    T: int
-    K: int
-    R: int
-    offsets: torch.Tensor  # int64 [E+1]
-    padded: torch.Tensor  # int64 [E+1]: expert e's rows start at padded[e] in the tiled buffers (16-row groups)
-    row_tok: torch.Tensor  # int32 [R]
-    row_of: torch.Tensor  # int32 [T*K], -1 for no expert
-    order: torch.Tensor  # int64 [R]: flat slot index of each row
-    w_flat: torch.Tensor  # fp32 [T*K]
-    w_row: torch.Tensor  # fp32 [R]
-
-    @property
-    def padded_rows(self) -> int:
-        return int(self.padded[-1])
-
 
 @dataclass
 class AMXSaved:
     x: torch.Tensor  # [T, H] fp32 or bf16, contiguous: the token rows
-    route: _Route
+    route: Route
     g: torch.Tensor  # fp32 [R, I] gate pre-activation (LoRA included)
     u: torch.Tensor  # fp32 [R, I]
     h: torch.Tensor  # bf16 [R+slack, Ip]  silu(g) * u as the down projection saw it
@@ -169,24 +152,7 @@ class AMXBF16Backend(ExpertBackendBase):
                          e, h, i, activation)
 
     # -- routing -------------------------------------------------------------------------------------------
-    def _route(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> _Route:
-        # counting sort in C++: no torch kernels here, so torch's own CPU threads stay asleep
-        T, K = topk_ids.shape
-        n = T * K
-        ids = topk_ids.to(torch.int64).contiguous()
-        w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
-        offsets = torch.empty(num_experts + 1, dtype=torch.int64)
-        padded = torch.empty(num_experts + 1, dtype=torch.int64)
-        row_tok = torch.empty(n, dtype=torch.int32)
-        row_of = torch.empty(n, dtype=torch.int32)
-        order = torch.empty(n, dtype=torch.int64)
-        w_row = torch.empty(n, dtype=torch.float32)
-        R = self._engine.route(ids.data_ptr(), T, K, num_experts, w_flat.data_ptr(), offsets.data_ptr(),
-                               padded.data_ptr(), row_tok.data_ptr(), row_of.data_ptr(), order.data_ptr(),
-                               w_row.data_ptr())
-        return _Route(T, K, R, offsets, padded, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
-
-    def _gather(self, src: torch.Tensor, route: _Route, hp: int) -> torch.Tensor:
+    def _gather(self, src: torch.Tensor, route: Route, hp: int) -> torch.Tensor:
         """The routed rows of src (``_token_rows``) as bf16 in the tiled A layout (kernels.hpp ALayout::tiles), hp
         columns (a workspace buffer: valid until the next gather on this thread)."""
         out = self._ws.get("rows", (route.padded_rows, hp), torch.bfloat16)
@@ -211,7 +177,7 @@ class AMXBF16Backend(ExpertBackendBase):
         hp, ip = packed.hidden_padded, packed.inter_padded
         lora_gu, lora_dn = native_projections(lora, E, H, I)
         prof = _Prof()
-        route = self._route(topk_ids, topk_weights, E)
+        route = route_rows(self._engine, topk_ids, topk_weights, E)
         R = route.R
         prof("fwd.route")
         x_rows = token_rows(x)

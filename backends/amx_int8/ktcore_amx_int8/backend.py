@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, hugepages
-from ktcore.experts.native_call import Workspace, address, token_rows
+from ktcore.experts.native_call import Route, Workspace, address, route_rows, token_rows
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 from ktcore.weights.int8 import LAYOUT, Int8Experts
@@ -75,28 +75,11 @@ class Int8Packed:
                                       self.down_scales))
 
 
-@dataclass
-class _Route:
-    T: int
-    K: int
-    R: int
-    offsets: torch.Tensor  # int64 [E+1]
-    padded: torch.Tensor  # int64 [E+1]: expert e's rows start at padded[e] in the quantised row buffers
-    row_tok: torch.Tensor  # int32 [R]
-    row_of: torch.Tensor  # int32 [T*K], -1 for no expert
-    order: torch.Tensor  # int64 [R]: flat slot index of each row
-    w_flat: torch.Tensor  # fp32 [T*K]
-    w_row: torch.Tensor  # fp32 [R]
-
-    @property
-    def padded_rows(self) -> int:
-        return int(self.padded[-1])
-
 
 @dataclass
 class Int8Saved:
     x: torch.Tensor  # [T, H] fp32 or bf16, contiguous: the token rows
-    route: _Route
+    route: Route
     g: torch.Tensor  # fp32 [R, I] gate pre-activation (LoRA included)
     u: torch.Tensor  # fp32 [R, I]
     h: torch.Tensor  # fp32 [R, Ip] silu(g) * u
@@ -221,24 +204,7 @@ class AMXInt8Backend(ExpertBackendBase):
                            (codes(packed.down, h, i), packed.down_scales.clone()))
 
     # -- routing and row quantisation ----------------------------------------------------------------------
-    def _route(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> _Route:
-        # counting sort in C++: no torch kernels here, so torch's own CPU threads stay asleep
-        T, K = topk_ids.shape
-        n = T * K
-        ids = topk_ids.to(torch.int64).contiguous()
-        w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
-        offsets = torch.empty(num_experts + 1, dtype=torch.int64)
-        padded = torch.empty(num_experts + 1, dtype=torch.int64)
-        row_tok = torch.empty(n, dtype=torch.int32)
-        row_of = torch.empty(n, dtype=torch.int32)
-        order = torch.empty(n, dtype=torch.int64)
-        w_row = torch.empty(n, dtype=torch.float32)
-        R = self._engine.route(ids.data_ptr(), T, K, num_experts, w_flat.data_ptr(), offsets.data_ptr(),
-                               padded.data_ptr(), row_tok.data_ptr(), row_of.data_ptr(), order.data_ptr(),
-                               w_row.data_ptr())
-        return _Route(T, K, R, offsets, padded, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
-
-    def _quantize(self, name: str, route: _Route, src: torch.Tensor, n: int, npad: int, by_token: bool,
+    def _quantize(self, name: str, route: Route, src: torch.Tensor, n: int, npad: int, by_token: bool,
                   mul: Optional[torch.Tensor] = None):
         """(codes, lda, scales): the routed rows of src (token rows when by_token, else row r of src) quantised per
         row into a workspace buffer, each multiplied by its expert's row of mul first when given."""
@@ -260,7 +226,7 @@ class AMXInt8Backend(ExpertBackendBase):
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         hp, ip = packed.hidden_padded, packed.inter_padded
         lora_gu, lora_dn = native_projections(lora, E, H, I)
-        route = self._route(topk_ids, topk_weights, E)
+        route = route_rows(self._engine, topk_ids, topk_weights, E)
         R, off, poff = route.R, route.offsets, route.padded
         x_rows = token_rows(x)
         xq, lda_x, xs = self._quantize("xq", route, x_rows, H, hp, by_token=True)
