@@ -43,6 +43,24 @@ def lora_grads(model, ids, mask):
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def assert_as_close_as_plain_bf16(truth, plain_bf16, ours, ids, mask) -> dict:
+    """``ours`` in bf16 is as close to the fp32 ``truth`` as plain transformers in bf16 is (logits and every LoRA
+    gradient, relative); returns the truth's gradients."""
+    results = {name: lora_grads(m, ids, mask) for name, m in
+               (("truth", truth), ("plain_bf16", plain_bf16), ("ours", ours))}
+    ref_out, ref_grads = results["truth"]
+
+    def err(name):
+        out, grads = results[name]
+        return (relative_error(out.logits.float(), ref_out.logits),
+                max(relative_error(grads[n].float(), ref_grads[n]) for n in ref_grads))
+
+    (plain_logits, plain_grads), (our_logits, our_grads) = err("plain_bf16"), err("ours")
+    assert our_logits <= max(2 * plain_logits, 1e-2), (our_logits, plain_logits)
+    assert our_grads <= max(2 * plain_grads, 5e-2), (our_grads, plain_grads)
+    return ref_grads
+
+
 def assert_same_training_signal(plain, ours, ids, mask):
     ref, ref_grads = lora_grads(plain, ids, mask)
     got, got_grads = lora_grads(ours, ids, mask)
@@ -198,19 +216,8 @@ def test_gpu_attention_cpu_experts_bf16(tmp_path, backend, family):
     torch.manual_seed(7)
     ours = get_peft_model(ours, lora_config())
     ids, mask = (t.cuda() for t in batch(8))
-    results = {name: lora_grads(m, ids, mask) for name, m in
-               (("truth", truth), ("plain_bf16", plain_bf16), ("ours", ours))}
-    ref_out, ref_grads = results["truth"]
+    ref_grads = assert_as_close_as_plain_bf16(truth, plain_bf16, ours, ids, mask)
     assert sum("experts" in n for n in ref_grads) == 2 * 2 * 2  # expert LoRA gradients are compared too
-
-    def err(name):
-        out, grads = results[name]
-        return (relative_error(out.logits.float(), ref_out.logits),
-                max(relative_error(grads[n].float(), ref_grads[n]) for n in ref_grads))
-
-    (plain_logits, plain_grads), (our_logits, our_grads) = err("plain_bf16"), err("ours")
-    assert our_logits <= max(2 * plain_logits, 1e-2), (our_logits, plain_logits)
-    assert our_grads <= max(2 * plain_grads, 5e-2), (our_grads, plain_grads)
 
 
 @pytest.mark.parametrize("backend", ["torch", "amx_bf16"])
