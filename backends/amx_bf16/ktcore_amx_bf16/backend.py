@@ -226,7 +226,7 @@ class AMXBF16Backend(ExpertBackendBase):
         route = ctx.route
         R, T, K = route.R, route.T, route.K
         off = route.offsets
-        lora_gu, lora_dn = native_projections(lora, E, H, I, off)
+        lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs)
         if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
             raise ValueError("backward's expert LoRA must be the one its forward ran with")
 

@@ -268,7 +268,7 @@ class AMXInt8Backend(ExpertBackendBase):
         hp, ip = packed.hidden_padded, packed.inter_padded
         route = ctx.route
         R, T, K, off, poff = route.R, route.T, route.K, route.offsets, route.padded
-        lora_gu, lora_dn = native_projections(lora, E, H, I, off)
+        lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs)
         if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
             raise ValueError("backward's expert LoRA must be the one its forward ran with")
 
