@@ -3,8 +3,8 @@ gradients and the optimizer state a trainer creates for them.
 
 Why: a CPU backend computes with these factors and writes their gradients on the host. Kept on the model's GPU
 (``model``, the default), every MoE layer copies its factors to the host and their gradients back, each step, and
-the GPU holds them with their gradients and AdamW's two moments (16 bytes a parameter in fp32: 2.2 GB for
-DeepSeek-V2-Lite at r=8, 52 GB for DeepSeek-V3, more than a GPU has). In host memory the backend reads them in
+the GPU holds them with their gradients and AdamW's two moments (16 bytes a parameter in fp32: 1.8 GB for
+DeepSeek-V2-Lite at r=8, 111 M parameters; 39 GB for DeepSeek-V3, 2.4 B). In host memory the backend reads them in
 place (``CudaStaging.to_host`` passes host tensors through) and its gradients are the ones autograd accumulates
 (``ExpertJob`` neither pins nor copies them); the optimizer updates them on the CPU, with torch given the cores the
 idle backend pool leaves (``ktcore.plugins.threads.give_optimizer_steps_the_cores``).
