@@ -193,10 +193,10 @@ def test_cuda_host_lora_trains_as_model_with_less_gpu_memory(model_dir, tmp_path
     assert peaks["model"] - peaks["host"] >= lora_bytes, (peaks, lora_bytes)
 
     # adapters: the same PEFT layout either way, each loading into a model of the other kind
-    for lora_device, (m, *_rest) in runs.items():
-        m.save_pretrained(tmp_path / lora_device)
     from safetensors import safe_open
 
+    for lora_device, (m, *_rest) in runs.items():
+        m.save_pretrained(tmp_path / lora_device)
     layouts = {}
     for lora_device in runs:
         with safe_open(str(tmp_path / lora_device / "adapter_model.safetensors"), "pt") as f:
@@ -222,11 +222,11 @@ def test_cuda_ktcore_train_trl_keeps_expert_lora_on_host(tmp_path):
     """``ktcore train --frontend trl`` (SFTTrainer: Trainer's model.to, accelerate's prepare, clipping, AdamW):
     every optimizer step sees the expert LoRA and its state on the host; losses and adapter as with ``model``."""
     from click.testing import CliRunner
+    from safetensors.torch import load_file
+    from test_train_e2e import _config
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from ktcore.commands.cli import main
-    from test_train_e2e import _config
-
     from ktcore.commands.demo import build_byte_tokenizer, reverse_task
 
     model_path, data = tmp_path / "tiny", tmp_path / "data"
@@ -261,8 +261,6 @@ def test_cuda_ktcore_train_trl_keeps_expert_lora_on_host(tmp_path):
         handle.remove()
     host, model = summaries["host"]["losses"], summaries["model"]["losses"]
     assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(host, model)), (host, model)
-    from safetensors.torch import load_file
-
     got = load_file(str(tmp_path / "run-host" / "out" / "adapter_model.safetensors"))
     want = load_file(str(tmp_path / "run-model" / "out" / "adapter_model.safetensors"))
     assert got.keys() == want.keys() and all(got[k].shape == want[k].shape and got[k].dtype == want[k].dtype
