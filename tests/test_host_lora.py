@@ -9,6 +9,7 @@ that the GPU's peak memory drops by at least the expert LoRA's bytes.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ import ktcore
 from ktcore.config import ConfigError, config_from_dict
 from ktcore.model.host_lora import HostLoRALinear, _refuse_distributed, expert_lora_factors, keep_on_host
 from ktcore.model.peft_expert_lora import peft_wrapping
-from ktcore.plugins.threads import give_optimizer_steps_the_cores, rank_cores
+from ktcore.plugins import threads
+from ktcore.plugins.threads import apply_budget, give_optimizer_steps_the_cores, rank_cores, usable_cores
 from ktcore.testing import relative_error
 from test_equivalence import lora_config
 
@@ -109,21 +111,31 @@ def test_dtype_moves_still_apply_to_host_factors(model_dir):
     assert keep_on_host(model) == 0  # already there: nothing to do again
 
 
-def test_optimizer_steps_get_the_cores_and_give_them_back():
-    if rank_cores() < 2:
+def test_optimizer_steps_get_the_cores_and_give_them_back(monkeypatch):
+    """The budget a model on a GPU gets (apply_budget: torch on the cores a one-thread pool leaves) is lifted for
+    an optimizer step that updates host parameters, and only then, and comes back after it."""
+    if usable_cores() < 2:
         pytest.skip("one usable core: there is nothing to raise the thread count to")
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "_budget", None)  # the budget this test sets is undone with it
     give_optimizer_steps_the_cores()
     param = torch.nn.Parameter(torch.ones(4))
-    param.grad = torch.ones(4)
     optimizer = torch.optim.AdamW([param], lr=1e-3)
     seen = []
     optimizer.register_step_pre_hook(lambda *args: seen.append(torch.get_num_threads()))  # after the global hook
-    before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(usable_cores())
+        budget = apply_budget([SimpleNamespace(num_threads=usable_cores() - 1)], "cuda")  # a pool of all but one
+        assert budget == 1 and torch.get_num_threads() == 1
+        param.grad = torch.ones(4)
         optimizer.step()
         assert seen == [rank_cores()] and torch.get_num_threads() == 1
         param.grad = None  # nothing to update on the host: the budget stays as it is
+        optimizer.step()
+        assert seen[-1] == 1
+        torch.set_num_threads(1)
+        monkeypatch.setattr(threads, "_budget", None)  # one thread the user chose, not ktcore: left alone
+        param.grad = torch.ones(4)
         optimizer.step()
         assert seen[-1] == 1
     finally:

@@ -22,6 +22,7 @@ import sys
 from typing import Iterable, Optional
 
 _noted: set = set()
+_budget: Optional[int] = None  # torch's threads as apply_budget limited them (None: it left them as they were)
 
 
 def usable_cores() -> int:
@@ -94,7 +95,9 @@ def apply_budget(backends: Iterable, device) -> Optional[int]:
     current = torch.get_num_threads()
     if current <= share:
         return None
+    global _budget
     torch.set_num_threads(share)
+    _budget = share
     _note(f"torch CPU threads {current} -> {share}: the expert backend's pool runs {max(pools)} of the "
           f"{usable_cores()} cores this process may use (kt_config.kt_num_threads sets its share)")
     return share
@@ -128,8 +131,9 @@ def give_optimizer_steps_the_cores() -> None:
     The budget above keeps torch to the cores the backend pool leaves (often one) because the two run at once in
     forward and backward; during ``optimizer.step()`` the pool is idle, and AdamW on ~100M host parameters at one
     thread would cost a large part of a step. torch.optim's global step hooks run around every optimizer's step,
-    whoever calls it (HF Trainer through accelerate, a user's loop); a step that raises leaves the raised count
-    until the next step's post hook."""
+    whoever calls it (HF Trainer through accelerate, a user's loop). Only ktcore's own limit is lifted: threads
+    that are not at the budget (set by the user, or never limited) are left alone. A step that raises leaves the
+    raised count until the next step's post hook."""
     global _step_hooks
     if _step_hooks is not None:
         return
@@ -139,7 +143,7 @@ def give_optimizer_steps_the_cores() -> None:
     def before(optimizer, args, kwargs):
         global _threads_before_step
         current, cores = torch.get_num_threads(), rank_cores()
-        if current < cores and _updates_host_params(optimizer):
+        if current == _budget and current < cores and _updates_host_params(optimizer):
             _threads_before_step = current
             torch.set_num_threads(cores)
 
