@@ -61,6 +61,10 @@ class KTConfig:
                                "backward streams nothing again)", default=2)
     kt_hybrid_cpu_share: Optional[float] = _key("hybrid: share of each layer's experts the CPU backend computes "
                                                 "(ktcore plan's CPU share)")
+    kt_expert_lora_device: str = _key("where the routed experts' LoRA factors, their gradients and optimizer "
+                                      "state live: model (the model's device, copied to the backend each call) "
+                                      "or host (host memory, read and written there by the backend)",
+                                      ("model", "host"), default="model")
     kt_cpu_activation: str = _key("keep expert activations for backward, or recompute them",
                                   ("retain", "recompute"), default="retain")
     kt_weight_path: Optional[str] = _key("routed-expert store written by `ktcore convert MODEL --format bf16|int8`")
@@ -71,7 +75,7 @@ class KTConfig:
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
                    "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement",
-                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share")
+                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share", "kt_expert_lora_device")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")
 
 

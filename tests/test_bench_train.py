@@ -69,6 +69,19 @@ def test_placements_side_by_side(tmp_path):
     assert rows[2]["split"]["cpu_experts_s"] > 0  # the CPU's share
 
 
+def test_expert_lora_devices_side_by_side(tmp_path):
+    """--expert-lora-device model,host: the run without expert LoRA once (by the model run), then each with it; on
+    the CPU the host is the model's device, so nothing is copied either way and the host run names its factors."""
+    rows = bench("--tokens", "16", "--kernel-seconds", "0", "--expert-lora-device", "model,host",
+                 "--workdir", str(tmp_path))
+    assert [(r["run"], r["expert_lora_device"]) for r in rows] == [
+        ("ktcore, no expert LoRA", "model"), ("ktcore", "model"), ("ktcore, expert LoRA on host", "host")]
+    for row in rows:
+        assert row["error"] is None and row["tok_s"] > 0 and row["split"]["lora_copies_s"] == 0
+    assert rows[1]["host_lora_gib"] == 0 and rows[2]["host_lora_gib"] > 0
+    assert rows[2]["memory"]["trainable_gib"] == pytest.approx(rows[1]["memory"]["trainable_gib"])
+
+
 def test_kept_model_is_timed_again_with_attention_only_checkpointing(tmp_path):
     result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--shape", "qwen3-30b-a3b", "--tokens", "8",
                                        "--steps", "1", "--warmup", "0", "--kernel-seconds", "0",

@@ -117,7 +117,7 @@ def load_adapter_into(model, path, base=None, is_trainable: bool = False):
     fmt = get_format(name)
     if _specs()[name].peft_native:
         _checked(fmt, path, base)
-        with peft_wrapping():
+        with peft_wrapping(model):
             return PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable)
     native = [n for n, spec in sorted(_specs().items()) if spec.peft_native]
     if not native:
@@ -126,5 +126,5 @@ def load_adapter_into(model, path, base=None, is_trainable: bool = False):
     adapter = _checked(fmt, path, base)[0]
     with tempfile.TemporaryDirectory(prefix="ktcore-adapter-") as tmp:
         get_format(native[0]).save(adapter, Path(tmp) / "adapter", base=base)
-        with peft_wrapping():
+        with peft_wrapping(model):
             return PeftModel.from_pretrained(model, str(Path(tmp) / "adapter"), is_trainable=is_trainable)

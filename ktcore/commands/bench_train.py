@@ -382,6 +382,7 @@ class Settings:
     expert_formats: tuple = ("bf16",)  # bf16 and/or GGUF block types of the same random model (EXPERT_FORMATS)
     loss_steps: int = 0  # the loss-curve run's steps (0: none)
     placements: tuple = ("cpu",)  # kt_expert_placement of each ktcore run, side by side
+    expert_lora_devices: tuple = ("model",)  # kt_expert_lora_device of each ktcore run, side by side
     stream_ring: int = 2  # kt_stream_ring of the gpu_stream and hybrid runs
     hybrid_cpu_share: float = 0.5  # kt_hybrid_cpu_share of the hybrid runs
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -416,20 +417,23 @@ def split_of(step_s: float, spans: dict, device: torch.device) -> dict:
 
 
 def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16", backend: Optional[str] = None,
-               placement: str = "cpu") -> Iterator[dict]:
-    """ktcore.load_model with ``placement`` + PEFT, per tokens: expert LoRA off (unless not asked) then on; then
-    the loss curve (``settings.loss_steps``) at the first tokens."""
+               placement: str = "cpu", lora_device: str = "model") -> Iterator[dict]:
+    """ktcore.load_model with ``placement`` and ``kt_expert_lora_device: lora_device`` + PEFT, per tokens: expert
+    LoRA off (unless not asked, or a run with the LoRA on the model's device times it) then on; then the loss curve
+    (``settings.loss_steps``) at the first tokens."""
     from peft import get_peft_model
 
     from .. import load_model
     from ..model.checkpointing import checkpoint_non_experts
+    from ..model.host_lora import host_factor_bytes
     from ..model.lm_loss import chunk_lm_loss
+    from ..model.peft_expert_lora import peft_wrapping
     from ..experts.timeline import attach
 
     device = settings.device
     kt = {"kt_backend": backend or settings.backend, "kt_num_threads": settings.threads,
           "kt_expert_placement": placement, "kt_stream_ring": settings.stream_ring,
-          "kt_hybrid_cpu_share": settings.hybrid_cpu_share}
+          "kt_hybrid_cpu_share": settings.hybrid_cpu_share, "kt_expert_lora_device": lora_device}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
     chunk_lm_loss(base)  # as ktcore train
     stream = base.ktcore.stream
@@ -437,26 +441,30 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
         checkpoint_non_experts(base)
     backends = {layer.backend for layer in base.ktcore.layers.values()}
     pools = [getattr(b, "num_threads", None) for b in backends]
-    common = {"expert_format": expert_format, "placement": placement,
+    common = {"expert_format": expert_format, "placement": placement, "expert_lora_device": lora_device,
               "backend": ",".join(sorted(b.name for b in backends)),
               "moe_layers": len(set(base.ktcore.layers) | set(base.ktcore.streamed)),
               "backend_threads": max((n for n in pools if n), default=None),
               "torch_threads": torch.get_num_threads(),
               # host memory of the packed routed experts (for a GGUF: the file's blocks, mapped)
               "expert_gib": base.ktcore.packed_bytes / GIB}
-    variants = ([False] if settings.expert_lora_off else []) + [True]
+    # without expert LoRA its device makes no difference: timed once, by the model-device run when there is one
+    lora_off = settings.expert_lora_off and (lora_device == "model" or "model" not in settings.expert_lora_devices)
+    variants = ([False] if lora_off else []) + [True]
     for tokens in settings.tokens:
         # the backend alone on whole layers: a figure of the cpu placement (a hybrid layer's backend has a share)
         kernels = kernel_time(base, tokens, settings.rank, settings.kernel_seconds if placement == "cpu" else 0,
                               settings.dtype)
         step_off = None
         for expert_lora in variants:
-            run = ("ktcore" if placement == "cpu" else f"ktcore {placement}") + ("" if expert_lora else
-                                                                                ", no expert LoRA")
+            run = (("ktcore" if placement == "cpu" else f"ktcore {placement}")
+                   + ("" if expert_lora else ", no expert LoRA")
+                   + (", expert LoRA on host" if expert_lora and lora_device == "host" else ""))
             model = None
             try:
                 torch.manual_seed(0)
-                model = get_peft_model(base, lora_config(base, settings.rank, experts=expert_lora))
+                with peft_wrapping(base):  # as the frontends make it (kt_expert_lora_device: host moves it)
+                    model = get_peft_model(base, lora_config(base, settings.rank, experts=expert_lora))
                 model.train()
                 _reset_peaks(device)
                 copied = stream.copied_bytes if stream else 0
@@ -476,7 +484,7 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                            tok_s=tokens / step_s, split=split, **kernels,
                            overhead_ratio=step_s / denominator if kernels["kernel_s"] else None,
                            peak_gpu_gib=timed["peak_gpu_gib"], peak_host_gib=timed["peak_host_gib"],
-                           memory=timed["memory"], error=None)
+                           host_lora_gib=host_factor_bytes(base) / GIB, memory=timed["memory"], error=None)
             except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others still run
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, error=_error_line(exc))
             finally:
@@ -492,10 +500,13 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
 def _loss_run(settings: Settings, base, common: dict) -> Iterator[dict]:
     from peft import get_peft_model
 
+    from ..model.peft_expert_lora import peft_wrapping
+
     tokens, model = settings.tokens[0], None
     try:
         torch.manual_seed(0)
-        model = get_peft_model(base, lora_config(base, settings.rank))
+        with peft_wrapping(base):
+            model = get_peft_model(base, lora_config(base, settings.rank))
         model.train()
         _reset_peaks(settings.device)
         losses = loss_curve(model, tokens, settings.loss_steps, settings.device)
@@ -611,8 +622,9 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
         models = {"bf16": model_dir, **write_gguf_models(model_dir, quantised, scratch)}
         bf16_loss = None
         for fmt in settings.expert_formats:
-            for row in (r for placement in settings.placements for r in run_ktcore(
-                    settings, models[fmt], fmt, None if fmt == "bf16" else GGUF_BACKEND, placement)):
+            for row in (r for placement in settings.placements for lora_device in settings.expert_lora_devices
+                        for r in run_ktcore(settings, models[fmt], fmt, None if fmt == "bf16" else GGUF_BACKEND,
+                                            placement, lora_device)):
                 if row["run"] == LOSS_RUN and row["error"] is None:
                     if fmt == "bf16":
                         bf16_loss = row["loss_last"]
@@ -635,7 +647,8 @@ COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), (
            ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
-           ("peak_host_gib", "peak host GiB"), ("expert_gib", "expert GiB"), ("resident_gib", "resident GiB"),
+           ("peak_host_gib", "peak host GiB"), ("expert_gib", "expert GiB"), ("host_lora_gib", "host LoRA GiB"),
+           ("resident_gib", "resident GiB"),
            ("activations_gib", "activations GiB"), ("layers_peak_gib", "layers peak"), ("loss_peak_gib", "loss peak"),
            ("backward_peak_gib", "backward peak"), ("peak_phase", "peak in"), ("loss_first", "loss first"),
            ("loss_last", "loss last"), ("loss_vs_bf16", "loss vs bf16"), ("error", "error"))

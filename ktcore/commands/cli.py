@@ -436,10 +436,12 @@ def bench_convert_cmd(model_dir, synthetic_gb, fmt, threadpools, workdir, worker
               max_open=True), help="kt_hybrid_cpu_share of the hybrid runs (ktcore plan predicts the best)")
 @click.option("--stream-ring", default=2, show_default=True, type=click.IntRange(min=1),
               help="kt_stream_ring of the gpu_stream runs")
+@click.option("--expert-lora-device", "lora_devices", default="model", show_default=True,
+              help="comma list of kt_expert_lora_device values, each run side by side (model, host)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
                 expert_lora_off, baseline, kernel_seconds, expert_formats, loss_steps, model_dir, workdir, keep, on_cpu,
-                placements, stream_ring, hybrid_cpu_share, as_json):
+                placements, stream_ring, hybrid_cpu_share, lora_devices, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
@@ -461,10 +463,14 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
                         expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds,
                         expert_formats=tuple(f for f in EXPERT_FORMATS if f in formats), loss_steps=loss_steps,
                         placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring,
-                        hybrid_cpu_share=hybrid_cpu_share)
+                        hybrid_cpu_share=hybrid_cpu_share,
+                        expert_lora_devices=tuple(d.strip() for d in lora_devices.split(",")))
     unknown = [p for p in settings.placements if p not in ("cpu", "gpu_stream", "hybrid")]
     if unknown:
         raise click.UsageError(f"--placement {','.join(unknown)}: bench train runs cpu, gpu_stream and hybrid")
+    unknown = [d for d in settings.expert_lora_devices if d not in ("model", "host")]
+    if unknown:
+        raise click.UsageError(f"--expert-lora-device {','.join(unknown)}: choose model, host or model,host")
     if on_cpu:
         settings.device = torch.device("cpu")
     default_tokens = "64,256" if settings.tiny else "2048,8192"

@@ -232,7 +232,7 @@ def run_demo(workdir="runs/demo", frontend: str = "trl", steps: Optional[int] = 
         summary = run_frontend(frontend, cfg)
     train_seconds = time.perf_counter() - t0
 
-    with peft_wrapping():
+    with peft_wrapping(base):
         tuned = PeftModel.from_pretrained(base, cfg.output_dir).eval()  # plain PEFT on the ktcore model
     after = generate_answers(tuned, tokenizer, prompts)
     acc_after = _show("after training:", test, after) if not quiet else \

@@ -264,7 +264,10 @@ class ExpertJob:
         # (shape, dtype) of what backward returns gradients for
         self.x_meta = (tuple(x.shape), x.dtype)
         self.w_meta = (tuple(topk_weights.shape), topk_weights.dtype)
-        self.lora_meta = [None if t is None else (tuple(t.shape), t.dtype) for t in lora_dev]
+        # (shape, dtype, in host memory) of each LoRA factor: the gradients of factors kept in host memory
+        # (kt_expert_lora_device: host) stay there, neither pinned nor copied to the device
+        self.lora_meta = [None if t is None else (tuple(t.shape), t.dtype, t.device.type == "cpu")
+                          for t in lora_dev]
         self.future = None
         self.mark = None  # see CudaStaging.alloc_mark
         self.needs_grad = False
@@ -348,7 +351,7 @@ class ExpertJob:
         staged = self.staging.to_host([grad_y.contiguous()], self.timeline)
         if isinstance(self.staging, CudaStaging):
             device = grad_y.device
-            metas = [self.x_meta, self.w_meta, *self.lora_meta]
+            metas = [self.x_meta, self.w_meta, *(None if m is None or m[2] else m for m in self.lora_meta)]
             self.grad_targets = [None if m is None else torch.empty(m[0], dtype=m[1], device=device)
                                  for m in metas]
             self.mark = self.staging.alloc_mark()
@@ -368,8 +371,8 @@ class ExpertJob:
         pinning = time.perf_counter()
         pin = self.staging.pin
         grads = [pin(grad_x, self.x_meta[1]), pin(grad_w, self.w_meta[1])]
-        grads += [None if g is None or m is None else pin(g, m[1]) for g, m in zip(lora_grads.tensors(),
-                                                                                 self.lora_meta)]
+        grads += [None if g is None or m is None else g.to(m[1]) if m[2] else pin(g, m[1])
+                  for g, m in zip(lora_grads.tensors(), self.lora_meta)]
         if self.timeline:
             self.timeline.cpu_span("experts", pinning - start)
             self.timeline.cpu_span("pin", time.perf_counter() - pinning)
@@ -381,11 +384,12 @@ class ExpertJob:
         grads = self._result()
         targets = self.grad_targets or [None] * len(grads)
         out = self.staging.to_device(grads[:2], targets[:2], self.mark, self.timeline, idle_since=idle_since)
-        if any(g is not None for g in grads[2:]):
-            out += self.staging.to_device(grads[2:], targets[2:], self.mark, self.timeline, "lora_copy")
-        else:
-            out += [None] * len(grads[2:])
-        return out
+        on_host = [m is not None and m[2] for m in self.lora_meta]
+        to_copy = [None if host else g for g, host in zip(grads[2:], on_host)]
+        copied = [None] * len(to_copy)
+        if any(g is not None for g in to_copy):
+            copied = self.staging.to_device(to_copy, targets[2:], self.mark, self.timeline, "lora_copy")
+        return out + [g if host else c for g, c, host in zip(grads[2:], copied, on_host)]
 
 
 class ExpertsFunction(torch.autograd.Function):

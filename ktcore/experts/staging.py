@@ -77,15 +77,18 @@ class CudaStaging:
 
     def to_host(self, tensors: Sequence[Optional[torch.Tensor]], timeline: Optional[Timeline] = None,
                 kind: str = "copy") -> Staged:
-        """Start device -> host copies of ``tensors`` once the current stream has computed them."""
+        """Start device -> host copies of ``tensors`` once the current stream has computed them. A tensor already
+        in host memory (expert LoRA kept there: ``ktcore.model.host_lora``) is used in place, not copied."""
+        if all(t is None or t.device.type == "cpu" for t in tensors):
+            return Staged([None if t is None else t.detach() for t in tensors], None)
         side = self.side
         side.wait_stream(torch.cuda.current_stream(self.device))
         out = []
         with torch.cuda.stream(side):
             start = timeline.gpu_mark(side) if timeline else None
             for t in tensors:
-                if t is None:
-                    out.append(None)
+                if t is None or t.device.type == "cpu":
+                    out.append(None if t is None else t.detach())
                     continue
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t.detach(), non_blocking=True)

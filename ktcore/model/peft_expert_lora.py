@@ -15,20 +15,27 @@ from typing import Optional
 import torch
 
 from ..experts import ExpertLoRA
+from . import host_lora
 from .placeholder import is_placeholder
 
 
 @contextlib.contextmanager
-def peft_wrapping():
+def peft_wrapping(model=None):
     """Around a call that makes a PeftModel (``get_peft_model``, ``PeftModel.from_pretrained``, a TRL trainer
-    given a ``peft_config``): PEFT (0.21.2, ``PeftModel.__init__``) reads ``model.is_gradient_checkpointing``,
-    which transformers 5.2x deprecated in favour of ``is_activation_checkpointing``, so every wrap printed a
-    FutureWarning no ktcore user can act on. Exactly that warning, only inside the call; PEFT gets the same
-    answer (the property still returns ``is_activation_checkpointing``)."""
+    given a ``peft_config``) on the ktcore ``model``.
+
+    PEFT (0.21.2, ``PeftModel.__init__``) reads ``model.is_gradient_checkpointing``, which transformers 5.2x
+    deprecated in favour of ``is_activation_checkpointing``, so every wrap printed a FutureWarning no ktcore user
+    can act on. Exactly that warning, only inside the call; PEFT gets the same answer (the property still returns
+    ``is_activation_checkpointing``). Afterwards, with ``kt_expert_lora_device: host``, the expert LoRA the call
+    created moves to host memory (``host_lora.keep_on_host``) before anything (a trainer's optimizer or its
+    resumed state) is created beside it on the GPU."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
                                 category=FutureWarning)
         yield
+    if model is not None and host_lora.wants_host(model):
+        host_lora.keep_on_host(model)
 
 
 def _factors(module, name: str):

@@ -18,6 +18,7 @@ from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins import UnknownPluginError, get_registry
 from ..plugins.threads import apply_budget
 from ..specs import ArchSpec, import_object
+from . import host_lora
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
 from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .overlap import install_overlap
@@ -278,6 +279,8 @@ def finish(model, kt, arch, backend, layers) -> None:
     pattern = experts_pattern(arch)
     whole = {name: layer for name, layer in layers.items() if not isinstance(layer.overlap, HybridPoint)}
     install_overlap(model, arch, whole, lambda name: int(pattern.search(name).group(1)))
+    if kt.kt_expert_lora_device == host_lora.HOST:
+        host_lora.install(model, whole)
     apply_budget([layer.backend for layer in layers.values()], model.device)
     model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream, streamed)
 

@@ -22,6 +22,7 @@ import sys
 from typing import Iterable, Optional
 
 _noted: set = set()
+_budget: Optional[int] = None  # torch's threads as apply_budget limited them (None: it left them as they were)
 
 
 def usable_cores() -> int:
@@ -94,7 +95,9 @@ def apply_budget(backends: Iterable, device) -> Optional[int]:
     current = torch.get_num_threads()
     if current <= share:
         return None
+    global _budget
     torch.set_num_threads(share)
+    _budget = share
     _note(f"torch CPU threads {current} -> {share}: the expert backend's pool runs {max(pools)} of the "
           f"{usable_cores()} cores this process may use (kt_config.kt_num_threads sets its share)")
     return share
@@ -110,3 +113,44 @@ def _cpu_rank_budget(torch) -> Optional[int]:
     _note(f"torch CPU threads {current} -> {share}: {local_ranks()} ranks share the {usable_cores()} cores this "
           "process may use")
     return share
+
+
+_step_hooks = None
+_threads_before_step: Optional[int] = None
+
+
+def _updates_host_params(optimizer) -> bool:
+    return any(p.grad is not None and p.device.type == "cpu" for group in optimizer.param_groups
+               for p in group["params"])
+
+
+def give_optimizer_steps_the_cores() -> None:
+    """Once per process: torch gets this rank's cores for each optimizer step that updates parameters in host
+    memory (expert LoRA kept there, ``ktcore.model.host_lora``), and the budget back afterwards.
+
+    The budget above keeps torch to the cores the backend pool leaves (often one) because the two run at once in
+    forward and backward; during ``optimizer.step()`` the pool is idle, and AdamW on ~100M host parameters at one
+    thread would cost a large part of a step. torch.optim's global step hooks run around every optimizer's step,
+    whoever calls it (HF Trainer through accelerate, a user's loop). Only ktcore's own limit is lifted: threads
+    that are not at the budget (set by the user, or never limited) are left alone. A step that raises leaves the
+    raised count until the next step's post hook."""
+    global _step_hooks
+    if _step_hooks is not None:
+        return
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def before(optimizer, args, kwargs):
+        global _threads_before_step
+        current, cores = torch.get_num_threads(), rank_cores()
+        if current == _budget and current < cores and _updates_host_params(optimizer):
+            _threads_before_step = current
+            torch.set_num_threads(cores)
+
+    def after(optimizer, args, kwargs):
+        global _threads_before_step
+        if _threads_before_step is not None:
+            torch.set_num_threads(_threads_before_step)
+            _threads_before_step = None
+
+    _step_hooks = (register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after))

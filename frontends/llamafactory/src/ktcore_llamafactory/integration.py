@@ -83,7 +83,7 @@ def get_kt_peft_model(model, peft_kwargs: dict[str, Any]):
                           "dropout; set lora_dropout: 0, or leave the experts out of lora_target")
     config = LoraConfig(task_type=TaskType.CAUSAL_LM, inference_mode=False, target_modules=modules or None,
                         target_parameters=params or None, **kwargs)
-    with peft_wrapping():
+    with peft_wrapping(model):
         return get_peft_model(model, config)
 
 

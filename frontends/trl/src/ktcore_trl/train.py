@@ -135,7 +135,7 @@ def attach_lora(model, cfg):
         base = Path(cfg.model_name_or_path)
         return load_adapter_into(model, cfg.adapter_name_or_path, base=base if base.exists() else None,
                                  is_trainable=True)
-    with peft_wrapping():
+    with peft_wrapping(model):
         return get_peft_model(model, lora_config(model, cfg))
 
 
@@ -407,7 +407,7 @@ def build_trainer(cfg: TrainConfig, tokenizer, dataset, callbacks=()):
         # copy the adapter into a "ref" adapter and use that as the reference instead.)
         from ktcore.model.peft_expert_lora import peft_wrapping
 
-        with peft_wrapping():  # TRL calls get_peft_model
+        with peft_wrapping(base):  # TRL calls get_peft_model
             trainer = make_dpo_trainer(base, tokenizer, dataset, cfg, callbacks, peft_config=lora_config(base, cfg))
     elif cfg.stage == "dpo":  # keep training an adapter: TRL's reference is a frozen copy of it ("ref")
         trainer = make_dpo_trainer(attach_lora(base, cfg), tokenizer, dataset, cfg, callbacks)
