@@ -42,7 +42,7 @@ def test_refetch_happens_and_weights_are_not_kept(qwen3_pair):
     stream = ours.ktcore.stream
     calls = []
     fetch = stream.fetch
-    stream.fetch = lambda index, direction: calls.append((index, direction)) or fetch(index, direction)
+    stream.fetch = lambda index, direction, *first: calls.append((index, direction)) or fetch(index, direction, *first)
     _, model = peft_pair(plain, ours)
     ids, mask = batch(4)
     model(ids, attention_mask=mask, labels=ids).loss.backward()

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .wrap import expert_modules, find_arch
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -50,6 +48,8 @@ def _head_dims(config) -> int:
 def model_shape(hf_config) -> ModelShape:
     """Count a transformers config's model (meta tensors only: seconds for a 671B model, no memory)."""
     from transformers import AutoModelForCausalLM
+
+    from .wrap import expert_modules, find_arch  # wrap builds auto placement on this module's shapes
 
     config = copy.deepcopy(hf_config)
     # ktcore dequantises an FP8 checkpoint while loading: the model it builds has no quantised modules

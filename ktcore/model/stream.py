@@ -24,6 +24,17 @@ import torch
 GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for streamed layers and layers placed on the GPU
 
 
+@dataclass
+class _Slot:
+    """One layer's experts ``first..`` on the device, and the side-stream events around their copy."""
+
+    first: int
+    tensors: tuple
+    started: Optional[torch.cuda.Event] = None
+    done: Optional[torch.cuda.Event] = None
+    timed: bool = False  # the copy's time was handed to a caller (take_copy)
+
+
 class ExpertStream:
     """Host copies of every streamed layer, and the ring of device copies."""
 
@@ -34,10 +45,9 @@ class ExpertStream:
         self.ring = ring
         self.host: list[tuple[torch.Tensor, torch.Tensor]] = []  # per streamed layer, in model order
         self.base: list[int] = []  # per streamed layer: the layer's expert that host[index] starts with
-        # layer index -> (first expert copied, (gate_up, down) on the device, copy-done event)
-        self.slots: OrderedDict = OrderedDict()
-        # the first expert a layer will fetch (an auto layer's planned split; its base otherwise), or >= its
-        # experts for none: what a prefetch copies
+        self.slots: OrderedDict = OrderedDict()  # layer index -> _Slot
+        # the first expert a layer will fetch (an auto layer's planned split), what a prefetch copies; its base
+        # when None; a layer's whole count or more: it streams nothing
         self.planner: Optional[Callable[[int], int]] = None
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.copied_bytes = 0  # host-to-device bytes so far (the bench reads it)
@@ -52,18 +62,20 @@ class ExpertStream:
 
     def _copy(self, index: int, first: int) -> None:
         held = self.slots.get(index)
-        if held is not None and held[0] <= first:  # the copy held covers these experts: a view of it will do
+        if held is not None and held.first <= first:  # the copy held covers these experts: a view of it will do
             self.slots.move_to_end(index)
             return
         host = tuple(t[first - self.base[index]:] for t in self.host[index])  # contiguous: a view, no copy
         if self.side is None:  # the model is on the CPU: the host copy is the device copy
-            self.slots[index] = (first, host, None)
+            self.slots[index] = _Slot(first, host)
         else:
             with torch.cuda.stream(self.side):
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(self.side)
                 tensors = tuple(t.to(self.device, non_blocking=True) for t in host)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=True)
                 done.record(self.side)
-            self.slots[index] = (first, tensors, done)
+            self.slots[index] = _Slot(first, tensors, started, done)
             self.copied_bytes += sum(t.numel() * t.element_size() for t in host)
         self.slots.move_to_end(index)
         while len(self.slots) > self.ring:
@@ -75,18 +87,28 @@ class ExpertStream:
         compute (the experts ``planner`` says it will take)."""
         first = self.base[index] if first is None else first
         self._copy(index, first)
-        held, tensors, done = self.slots[index]
-        if done is not None:
+        slot = self.slots[index]
+        if slot.done is not None:
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(done)
-            for t in tensors:
+            compute.wait_event(slot.done)
+            for t in slot.tensors:
                 t.record_stream(compute)  # allocated on the side stream, read on this one
         following = index + direction
         if 0 <= following < len(self.host) and self.ring > 1:
-            planned = self.planner(following) if self.planner else self.base[following]
-            if planned < self.base[following] + self.host[following][0].shape[0]:  # else it streams nothing
+            planned = self.planner(following) if self.planner else None
+            planned = self.base[following] if planned is None else planned
+            if planned < self.base[following] + self.host[following][0].shape[0]:
                 self._copy(following, planned)
-        return tuple(t[first - held:] for t in tensors)
+        return tuple(t[first - slot.first:] for t in slot.tensors)
+
+    def take_copy(self, index: int):
+        """(first expert, (start, end) events) of the copy layer ``index``'s device experts came from, once: None
+        when it was handed out before or there was no copy (the model on the CPU)."""
+        slot = self.slots.get(index)
+        if slot is None or slot.started is None or slot.timed:
+            return None
+        slot.timed = True
+        return slot.first, (slot.started, slot.done)
 
 
 @dataclass(frozen=True)
@@ -123,10 +145,11 @@ def _with_lora(weight: torch.Tensor, factors) -> torch.Tensor:
 
 
 def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, top_k_index, top_k_weights,
-                     lora=None, first: int = 0):
+                     lora=None, first: int = 0, on_fetched=None):
     """One streamed layer's experts: fetch, add LoRA, run transformers' grouped kernel; backward fetches again.
     ``first``: the GPU computes experts ``first..`` of the layer (a hybrid layer's GPU share), and
-    ``top_k_index`` counts from there (an id past them: no expert); ``lora`` is the whole layer's."""
+    ``top_k_index`` counts from there (an id past them: no expert); ``lora`` is the whole layer's. ``on_fetched``
+    is called once the weights are ready (where auto placement starts timing the GPU's work)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     part = slice(first, None)
@@ -134,6 +157,8 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
         None if lora.gate_up_a is None else (lora.gate_up_b[part], lora.gate_up_a[part], lora.gate_up_scale),
         None if lora.down_a is None else (lora.down_b[part], lora.down_a[part], lora.down_scale))
     base = stream.fetch(index, +1, first)
+    if on_fetched is not None:
+        on_fetched()
     weights = tuple(_with_lora(w.to(hidden_states.dtype), f) for w, f in zip(base, factors))
     experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
     if stream.ring >= len(stream.host):  # every layer stays on the device: nothing to stream again
