@@ -5,7 +5,8 @@ so each side computes only its own experts' token-slots (the other side's slots 
 transformers' "no expert" id) and the layer's output is the sum. On a GPU the backend's share is submitted first
 and collected after the GPU's share is enqueued, so both run at once, forward and backward (as
 ``model/overlap.py`` does for shared experts). ``kt_hybrid_cpu_share`` sets ``n``: ``ktcore plan`` predicts the
-share at which both sides finish together from measured rates.
+share at which both sides finish together from measured rates. ``auto`` placement (``model/auto.py``) calls the
+two parts with an ``n`` of each call's choosing, its backend holding more experts than the call gives it.
 """
 
 from __future__ import annotations
