@@ -280,15 +280,16 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
-@pytest.mark.parametrize("choice", ["cpu", "gpu_stream", 2, None])
-def test_auto_on_cuda_bf16(tmp_path, family, choice):
-    """Each forced choice, and auto's own from the rates measured at load (no kt_rates): as close to the fp32
-    truth as plain transformers in bf16 (loss and every LoRA gradient)."""
+@pytest.mark.parametrize("placement,choice", [("auto", "cpu"), ("auto", "gpu_stream"), ("auto", 2), ("auto", None),
+                                              ("hybrid", None)])
+def test_auto_on_cuda_bf16(tmp_path, family, placement, choice):
+    """Each forced choice, auto's own from the rates measured at load (no kt_rates), and the re-balanced hybrid:
+    as close to the fp32 truth as plain transformers in bf16 (loss and every LoRA gradient)."""
     plain = tiny_model_of(family)
     plain.save_pretrained(tmp_path / "model")
     truth = copy.deepcopy(plain).to("cuda")
     plain_bf16 = copy.deepcopy(plain).to("cuda", torch.bfloat16)
-    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_expert_placement": "auto",
+    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_expert_placement": placement,
                                                                 "kt_stream_ring": 1}},
                              device="cuda", dtype=torch.bfloat16, progress=False)
     auto = ours.ktcore.auto
@@ -316,7 +317,7 @@ def test_auto_switches_on_cuda_and_learns_from_events(tmp_path):
     for shape in ((1, 8), (8, 128), (8, 128)):
         ids = torch.randint(0, 96, shape, device="cuda")
         model(ids, labels=ids).loss.backward()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the test's: the events are complete when the next call reads them
     assert set(auto.chosen[8].values()) == {"cpu"}
     assert all(c in ("gpu_stream", "hybrid 1/6") for c in auto.chosen[1024].values())
     measured = [s.factors.by_bucket.get(10, {}) for s in auto.layers.values()]
