@@ -105,15 +105,14 @@ class AutoLayer:
 
     def __init__(self, name: str, index: int, experts: int, lo: int, hi: int, layer):
         self.name, self.index, self.experts, self.lo, self.hi = name, index, experts, lo, hi
-        self.layer = layer  # the ExpertLayer of experts ..hi (None when hi is 0)
+        self.layer = layer  # the ExpertLayer of experts ..hi
         self.factors = Factors()
         self.n: Optional[int] = None  # the split of the last forward (a recomputed layer takes it again)
         self.tokens: Optional[int] = None  # ... and its tokens
         self.logged: dict[int, int] = {}  # tokens bucket -> the split logged last
         self.gpu_calls: list[_Call] = []  # calls whose GPU timings are not read yet
         self.cpu_calls: list[tuple[int, int]] = []  # (tokens, n) of the calls since the backend's seconds were read
-        if layer is not None:
-            layer.timeline = LayerClock()
+        layer.timeline = LayerClock()
 
 
 class AutoPlacement:
@@ -205,7 +204,7 @@ class AutoPlacement:
         call (its forward and backward are complete by the next forward: autograd waited for them), and the GPU
         timings whose events have completed."""
         experts = state.experts
-        if state.cpu_calls and state.layer is not None:
+        if state.cpu_calls:
             seconds = state.layer.timeline.take()
             predicted = sum(n / experts * self.model_times(t).cpu_s for t, n in state.cpu_calls)
             if seconds and predicted:

@@ -199,17 +199,15 @@ def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool =
 
     rules = parse_rules(kt.kt_placement, "kt_config")
     backends = {kt.kt_backend: default_backend}
-    plan, windows = {}, {}
-    for _, name, module in modules:
+    plan, windows, auto = {}, {}, None
+    for _, name, _ in modules:
         rule = place(name, rules, kt.kt_backend, kt.kt_expert_placement)
         if rule.device == "auto" or (rule.device == "hybrid" and kt.kt_hybrid_cpu_share is None):
-            if not windows:
-                auto = make_auto(model, kt, default_backend, device)
+            if rule.device not in windows:  # one AutoPlacement per model: its rates are measured once
+                auto = auto or make_auto(model, kt, default_backend, device)
                 experts = auto.shape.experts
-                windows["auto"] = lambda: auto.window(0, experts, "kt_expert_placement auto")
-                windows["hybrid"] = lambda: auto.window(1, experts - 1, "hybrid without kt_hybrid_cpu_share")
-            if callable(windows[rule.device]):
-                windows[rule.device] = windows[rule.device]()
+                windows[rule.device] = auto.window(0, experts, "kt_expert_placement auto") if rule.device == "auto" \
+                    else auto.window(1, experts - 1, "hybrid without kt_hybrid_cpu_share")
             plan[name] = windows[rule.device]
             continue
         if rule.device != "cpu":
