@@ -72,7 +72,8 @@ def test_auto_takes_more_of_the_cpu_at_few_tokens(dsv2lite):
                                          gpu_tflops=500)], ids=["h200", "slow-cpu", "slow-bus"])
 def test_auto_is_within_5_percent_of_the_best_fixed_placement(dsv2lite, rates):
     """At every tokens/step, auto (a run switching between them, through the re-balancer's hysteresis) against
-    cpu, gpu_stream and hybrid at every fixed share a run can take."""
+    cpu, gpu_stream and hybrid at every fixed share a run can take (speed only: GPU memory unbounded here)."""
+    rates = replace(rates, gpu_mem_gib=None)
     auto = AutoPlacement(dsv2lite, Setting(tokens=4096), rates)
     experts = dsv2lite.experts
     state = AutoLayer("layer", 0, experts, 0, experts, types.SimpleNamespace(timeline=None))
@@ -157,6 +158,28 @@ def test_rebalancer_holds_still_under_noise(dsv2lite):
     splits = [feed(auto, state, tokens, truth, noise) for _ in range(60)]
     assert all(truth.at(n / dsv2lite.experts) <= best_s * 1.05 for n in splits[20:])
     assert sum(a != b for a, b in zip(splits[20:], splits[21:])) <= 4
+
+
+def test_splits_that_do_not_fit_the_gpu_are_not_taken(dsv2lite):
+    """A GPU whose memory holds the step only with most experts on the CPU: the split stays at or above the fewest
+    CPU experts that fit, although streaming more would be faster."""
+    tokens, experts = 8192, dsv2lite.experts
+    free = AutoPlacement(dsv2lite, Setting(tokens=4096), H200)
+    state = AutoLayer("layer", 0, experts, 0, experts, types.SimpleNamespace(timeline=None))
+    free.add(state)
+    fast = free.decide(state, tokens)
+    limit = (predict(dsv2lite, Setting(tokens=tokens), H200, "cpu").gpu_gib
+             + predict(dsv2lite, Setting(tokens=tokens), H200, "gpu_stream").gpu_gib) / 2
+    tight = AutoPlacement(dsv2lite, Setting(tokens=4096), replace(H200, gpu_mem_gib=limit))
+    state = AutoLayer("layer", 0, experts, 0, experts, types.SimpleNamespace(timeline=None))
+    tight.add(state)
+    n = tight.decide(state, tokens)
+    floor = tight.gpu_floor(tokens, 0, experts)
+    assert fast < floor <= n < experts
+    step = Setting(tokens=tokens)
+    gpu = predict(dsv2lite, step, H200, "cpu").gpu_gib + (1 - n / experts) * (
+        predict(dsv2lite, step, H200, "gpu_stream").gpu_gib - predict(dsv2lite, step, H200, "cpu").gpu_gib)
+    assert gpu <= limit * 1.001  # GPU memory is linear in the share between the two ends
 
 
 def test_factor_steps_are_bounded(dsv2lite):

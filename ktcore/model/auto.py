@@ -14,7 +14,8 @@ the side stream) and the GPU's forward of its share (CUDA events on the compute 
 completed: nothing synchronises). Factors are kept per power of two of the tokens (a fixed cost per call is not a
 rate) and move halfway (geometrically) to each measurement, at most 2x per call: they converge without
 overshooting. A call takes a new split only when it is predicted at least 2% faster than the layer's last one, so
-noise does not flip it (and auto stays within 2% of the best split the factors predict). One line on stderr per
+noise does not flip it (and auto stays within 2% of the best split the factors predict). Splits whose step the
+cost model does not fit in the GPU's memory (``gpu_mem_gib`` of the rates) are not taken. One line on stderr per
 change of choice: the layer range, the tokens, the choice and its predicted time beside the others'.
 """
 
@@ -31,7 +32,8 @@ import torch
 
 from ..experts import replay
 from ..experts.timeline import LayerClock
-from .cost import FORMAT_BYTES, LayerTimes, Rates, Setting, auto_split, choice_name, layer_times
+from .cost import (FORMAT_BYTES, LayerTimes, Rates, Setting, auto_split, choice_name, fewest_cpu_experts,
+                   layer_times)
 from .hybrid import cpu_share, gpu_share
 from .peft_expert_lora import expert_lora_of
 
@@ -126,6 +128,7 @@ class AutoPlacement:
         self.tokens: Optional[int] = None  # of the last call
         self.chosen: dict[int, dict[str, str]] = {}  # tokens -> layer name -> its choice at the last such call
         self._times: dict[int, LayerTimes] = {}
+        self._floors: dict[tuple, int] = {}
         self._changes: list[tuple] = []
 
     def attach(self, stream) -> None:
@@ -172,11 +175,19 @@ class AutoPlacement:
         if not self.rates.has_gpu:  # nothing to stream to
             return state.hi
         times = self.times(state, tokens)
-        n, best = times.best_split(state.experts, state.lo, state.hi)
+        lo = self.gpu_floor(tokens, state.lo, state.hi)
+        n, best = times.best_split(state.experts, lo, state.hi)
         last = state.n
-        if last is not None and last != n and times.at(last / state.experts) <= best * (1 + HYSTERESIS):
+        if last is not None and lo <= last != n and times.at(last / state.experts) <= best * (1 + HYSTERESIS):
             return last
         return n
+
+    def gpu_floor(self, tokens: int, lo: int, hi: int) -> int:
+        """The fewest CPU experts whose step the cost model fits in the GPU's memory at ``tokens``."""
+        key = (tokens, lo, hi)
+        if key not in self._floors:
+            self._floors[key] = fewest_cpu_experts(self.shape, replace(self.setting, tokens=tokens), self.rates, lo, hi)
+        return self._floors[key]
 
     def decide(self, state: AutoLayer, tokens: int) -> int:
         self._learn(state)

@@ -244,6 +244,19 @@ def _split(shape, s, rates, placement, n, times: LayerTimes) -> StepCost:
                  layers * (1 - share) * stream_bytes)
 
 
+def fewest_cpu_experts(shape: ModelShape, s: Setting, rates: Rates, lo: int, hi: int) -> int:
+    """The fewest CPU experts in ``lo..hi`` at which the step fits the GPU's memory (it falls as the CPU takes
+    more: fewer experts streamed and fewer token-slots computed there); ``hi`` when none fits."""
+    if rates.gpu_mem_gib is None:
+        return lo
+    ring = min(s.ring, shape.moe_layers) * shape.experts
+    for n in range(lo, hi + 1):
+        share = n / shape.experts
+        if _gpu_memory(shape, s, (1 - share) * ring, 1 - share) / GIB <= rates.gpu_mem_gib:
+            return n
+    return hi
+
+
 def choice_name(n: int, experts: int) -> str:
     """What ``n`` CPU experts of a layer of ``experts`` is: cpu, gpu_stream or hybrid with its split."""
     return "cpu" if n >= experts else "gpu_stream" if n <= 0 else f"hybrid {n}/{experts}"
