@@ -181,3 +181,39 @@ def test_the_timeline_counts_the_gpu_idle_while_the_backend_computes(tmp_path):
         spent = timeline.resolve()
     assert spent["cpu_experts_s"] > 0
     assert spent["gpu_wait_s"] > 0.5 * spent["cpu_experts_s"], spent
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("backend", ["amx_bf16", "amx_int8"])
+def test_native_results_reach_the_gpu_without_a_host_copy(tmp_path, monkeypatch, backend):
+    """A native backend serving a model on a GPU writes y, grad_x, grad_w and the expert-LoRA gradients straight
+    into pinned memory (``pin_outputs``), so the staging copies them to the device as they are: a host memcpy of
+    each result would sit on the CPU's critical path between two layers' kernels."""
+    why = backend_unusable(backend)
+    if why:
+        pytest.skip(f"{backend} cannot run here: {why}")
+    from ktcore.experts.staging import CudaStaging
+
+    copied = []
+    pin = CudaStaging.pin
+
+    def spying_pin(self, t, dtype=None):
+        out = pin(self, t, dtype)
+        if t is not None and out is not t:
+            copied.append(tuple(t.shape))
+        return out
+
+    monkeypatch.setattr(CudaStaging, "pin", spying_pin)
+    tiny_model("deepseek_v2", num_hidden_layers=3).save_pretrained(tmp_path / "model")
+    model = ktcore.load_model(tmp_path / "model", {"kt_backend": backend}, device="cuda", dtype=torch.bfloat16,
+                              progress=False)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                                  target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"]))
+    ids = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(5)).cuda()
+    peft_model(ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    assert all(p.grad is not None for n, p in peft_model.named_parameters() if "experts" in n and p.requires_grad)
+    assert all(layer.backend.pin_outputs for layer in model.ktcore.layers.values())
+    assert copied == [], copied

@@ -139,6 +139,9 @@ class ExpertBackendBase:
     """Shared plumbing: one worker thread per backend for submit/wait, so the caller (and the GPU) go on."""
 
     name = "base"
+    # Results in pinned host memory: set by ktcore once a layer of a model on a GPU calls the backend, so the
+    # staging copies them to the device as they are, not after a host memcpy into a pinned buffer.
+    pin_outputs = False
 
     def __init__(self, config):
         if not all(hasattr(config, key) for key in ("kt_num_threads", "kt_expert_weight_format")):
@@ -255,6 +258,8 @@ class ExpertJob:
         self.layer = layer
         self.scales = scales
         self.staging = staging_for(x.device)
+        if isinstance(self.staging, CudaStaging) and hasattr(layer.backend, "pin_outputs"):
+            layer.backend.pin_outputs = True
         self.timeline = layer.timeline
         # (shape, dtype) of what backward returns gradients for
         self.x_meta = (tuple(x.shape), x.dtype)

@@ -50,11 +50,13 @@ class NativeProjection:
 
 
 def native_projections(lora: Optional[ExpertLoRA], num_experts: int, hidden: int, inter: int,
-                       offsets: Optional[torch.Tensor] = None
+                       offsets: Optional[torch.Tensor] = None, pinned: bool = False
                        ) -> tuple[Optional[NativeProjection], Optional[NativeProjection]]:
     """(gate_up, down) of ``lora`` as NativeProjections (None where that projection has no LoRA), shapes checked.
     With the routing's expert offsets [E+1] (backward) it also allocates the gradient buffers, zeroed when some
-    expert has no rows (the backend writes the gradients of the experts that have)."""
+    expert has no rows (the backend writes the gradients of the experts that have); ``pinned`` (the backend's
+    ``pin_outputs``) takes them from torch's caching host allocator, which hands the same pages out again step
+    after step, where fresh pageable buffers of this size (tens of MB per layer) page-fault on every call."""
     if lora is None:
         return None, None
     out = []
@@ -73,7 +75,8 @@ def native_projections(lora: Optional[ExpertLoRA], num_experts: int, hidden: int
         if offsets is not None:
             idle = bool((offsets[1:] == offsets[:-1]).any())
             alloc = torch.zeros if idle else torch.empty
-            proj.grad_a, proj.grad_b = alloc(a.shape, dtype=a.dtype), alloc(b.shape, dtype=b.dtype)
+            proj.grad_a = alloc(a.shape, dtype=a.dtype, pin_memory=pinned)
+            proj.grad_b = alloc(b.shape, dtype=b.dtype, pin_memory=pinned)
         out.append(proj)
     return out[0], out[1]
 

@@ -105,9 +105,12 @@ class CudaStaging:
         return mark
 
     def pin(self, t: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-        """t (a backend result, pageable) in a pinned buffer, converted to dtype; a host memcpy."""
+        """t (a backend result) in a pinned buffer, converted to dtype: t itself when it is both already (a
+        backend's ``pin_outputs``), else a host memcpy."""
         if t is None:
             return None
+        if t.is_pinned() and t.dtype == (dtype or t.dtype):
+            return t
         out = torch.empty(t.shape, dtype=dtype or t.dtype, pin_memory=True)
         out.copy_(t)
         return out

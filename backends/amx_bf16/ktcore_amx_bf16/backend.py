@@ -207,7 +207,7 @@ class AMXBF16Backend(ExpertBackendBase):
                  lora_dn and lora_dn.native(_ext()), address(ah))
         prof("fwd.down")
         out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        y = torch.empty(route.T, H, dtype=out_dtype)
+        y = torch.empty(route.T, H, dtype=out_dtype, pin_memory=self.pin_outputs)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
                     route.T, route.K, y.data_ptr(), out_dtype == torch.bfloat16)
         prof("fwd.combine")
@@ -226,7 +226,7 @@ class AMXBF16Backend(ExpertBackendBase):
         route = ctx.route
         R, T, K = route.R, route.T, route.K
         off = route.offsets
-        lora_gu, lora_dn = native_projections(lora, E, H, I, off)
+        lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs)
         if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
             raise ValueError("backward's expert LoRA must be the one its forward ran with")
 
@@ -245,7 +245,8 @@ class AMXBF16Backend(ExpertBackendBase):
         ggu = self._ws.get("ggu", (route.padded_rows, 2 * ip), torch.bfloat16)  # tiled like the gathered rows
         # expert LoRA reads the same bf16 gradients as plain rows (a tiled row is not contiguous)
         ggu_rows = self._ws.get("ggu_rows", (R, 2 * I), torch.bfloat16) if lora_gu else None
-        grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
+        # slots with no expert keep 0
+        grad_w = torch.empty(T * K, dtype=torch.float32, pin_memory=self.pin_outputs)
         eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
         eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
                     off.data_ptr(), route.padded.data_ptr(), E, I, ggu.data_ptr(), address(ggu_rows), grad_w.data_ptr(),
@@ -259,7 +260,7 @@ class AMXBF16Backend(ExpertBackendBase):
                         route.row_tok.data_ptr(), address(ctx.ax), address(qg))
         prof("bwd.gate_up")
         gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        grad_x = torch.empty(T, H, dtype=gx_dtype)
+        grad_x = torch.empty(T, H, dtype=gx_dtype, pin_memory=self.pin_outputs)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),
                     gx_dtype == torch.bfloat16)
         prof("bwd.combine")

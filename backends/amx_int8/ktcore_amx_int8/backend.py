@@ -251,7 +251,7 @@ class AMXInt8Backend(ExpertBackendBase):
                  packed.down_scales.data_ptr(), E, H, I, parts.data_ptr(), lora_dn and lora_dn.native(_ext()),
                  h.data_ptr(), ip, address(ah))
         out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        y = torch.empty(route.T, H, dtype=out_dtype)
+        y = torch.empty(route.T, H, dtype=out_dtype, pin_memory=self.pin_outputs)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
                     route.T, route.K, y.data_ptr(), out_dtype == torch.bfloat16)
         if out_dtype != x.dtype:
@@ -268,7 +268,7 @@ class AMXInt8Backend(ExpertBackendBase):
         hp, ip = packed.hidden_padded, packed.inter_padded
         route = ctx.route
         R, T, K, off, poff = route.R, route.T, route.K, route.offsets, route.padded
-        lora_gu, lora_dn = native_projections(lora, E, H, I, off)
+        lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs)
         if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
             raise ValueError("backward's expert LoRA must be the one its forward ran with")
 
@@ -286,7 +286,8 @@ class AMXInt8Backend(ExpertBackendBase):
         ggq = self._ws.get("ggq", (route.padded_rows, lda_gg), torch.int8)
         ggs = self._ws.get("ggs", (R,), torch.float32)
         ggu32 = self._ws.get("ggu32", (R, 2 * I), torch.float32)
-        grad_w = torch.empty(T * K, dtype=torch.float32)  # slots with no expert keep 0
+        # slots with no expert keep 0
+        grad_w = torch.empty(T * K, dtype=torch.float32, pin_memory=self.pin_outputs)
         eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
         eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ip, ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
                     off.data_ptr(), poff.data_ptr(), E, I, packed.gate_scales.data_ptr(), packed.up_scales.data_ptr(),
@@ -300,7 +301,7 @@ class AMXInt8Backend(ExpertBackendBase):
                         ctx.x.dtype == torch.bfloat16, ctx.x.stride(0), route.row_tok.data_ptr(), address(ctx.ax),
                         address(qg))
         gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        grad_x = torch.empty(T, H, dtype=gx_dtype)
+        grad_x = torch.empty(T, H, dtype=gx_dtype, pin_memory=self.pin_outputs)
         eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),
                     gx_dtype == torch.bfloat16)
         grad_w = grad_w.view(T, K).to(ctx.w_dtype)

@@ -423,7 +423,7 @@ class LlamafileBackend(ExpertBackendBase):
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         route = ctx.route
         R, T, K = route.R, route.T, route.K
-        lora_gu, lora_dn = native_projections(lora, E, H, I, route.offsets)
+        lora_gu, lora_dn = native_projections(lora, E, H, I, route.offsets, pinned=self.pin_outputs)
         if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
             raise ValueError("backward's expert LoRA must be the one its forward ran with")
         gu, dn = _native(lora_gu), _native(lora_dn)
