@@ -174,7 +174,13 @@ def test_plan_qwen3_and_mixtral_on_the_h200():
         assert set(got["cpu"]) >= {"tokens_per_s", "step_s", "gpu_gib", "host_gib", "fits", "why_not", "cpu_share",
                                    "copy_gb"}
         assert got["cpu"]["fits"] and got["gpu_stream"]["fits"] and got["hybrid"]["fits"]
-        assert step["auto"] == "hybrid"
+        assert step["auto"] == "hybrid" and step["auto_choice"] == got["auto"]["choice"]
+        # auto: the best whole split of 128 experts, and its host memory counts the experts held twice
+        assert got["auto"]["fits"] and got["auto"]["step_s"] <= got["hybrid"]["step_s"] * 1.01
+        assert got["auto"]["host_gib"] > got["hybrid"]["host_gib"] + 40
+    assert qwen["steps"][0]["auto_choice"] == "hybrid 33/128"
+    # at 8K the CPU's saved activations leave room for both copies of 106 of the 128 experts a layer
+    assert qwen["steps"][1]["auto_choice"].startswith("hybrid 8/128 (host RAM holds both copies of 106 of 128")
     mixtral = rows(plan_example("mixtral_8x7b", "--tokens", "8192")["steps"][0])
     assert not mixtral["cpu"]["fits"] and "host RAM" in mixtral["cpu"]["why_not"]  # saved activations
     assert mixtral["gpu_stream"]["fits"] and not mixtral["gpu"]["fits"]

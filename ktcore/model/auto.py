@@ -105,6 +105,9 @@ class _Call:
 class AutoLayer:
     """One auto layer: its window of CPU-expert counts, its learnt factors, its last split."""
 
+    def __deepcopy__(self, memo):
+        return self  # a deep-copied model shares its ExpertLayers, and so what their calls measured
+
     def __init__(self, name: str, index: int, experts: int, lo: int, hi: int, layer):
         self.name, self.index, self.experts, self.lo, self.hi = name, index, experts, lo, hi
         self.layer = layer  # the ExpertLayer of experts ..hi
@@ -119,6 +122,9 @@ class AutoLayer:
 
 class AutoPlacement:
     """The choice of every auto layer of one model (``model.ktcore.auto``)."""
+
+    def __deepcopy__(self, memo):
+        return self
 
     def __init__(self, shape, setting: Setting, rates: Rates):
         self.shape, self.setting, self.rates = shape, setting, rates

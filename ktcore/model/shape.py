@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -47,6 +45,7 @@ def _head_dims(config) -> int:
 
 def model_shape(hf_config) -> ModelShape:
     """Count a transformers config's model (meta tensors only: seconds for a 671B model, no memory)."""
+    import torch  # here: the cost model (and a config's kt_rates check) reads ModelShape without torch
     from transformers import AutoModelForCausalLM
 
     from .wrap import expert_modules, find_arch  # wrap builds auto placement on this module's shapes
