@@ -331,7 +331,7 @@ def kernel_time(model, tokens: int, rank: int, seconds: float, dtype=torch.bfloa
     """Forward + backward seconds of the model's CPU-backend expert layers at ``tokens`` tokens, called on the
     backend alone (random routing, random LoRA factors of rank r), summed over the layers; with and without
     expert LoRA (None for both when ``seconds`` is 0)."""
-    from .bench import median_time
+    from ..experts.probe import median_time
     from ..experts import ExpertLoRA
 
     layers = model.ktcore.layers

@@ -282,7 +282,7 @@ def rates_for(kt, backend, device) -> Rates:
 
     if kt.kt_rates:
         return load_rates(kt.kt_rates)
-    from ..commands.rates import measure_rates
+    from ..experts.probe import measure_rates
     from ..plugins.threads import backend_threads
 
     rates = Rates(**measure_rates(backend, backend_threads(kt.kt_num_threads)))

@@ -27,10 +27,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import ConfigError
-from .shape import ModelShape
+
+if TYPE_CHECKING:  # shape builds models through wrap, which builds auto placement on this module
+    from .shape import ModelShape
 
 GIB = 2**30
 PLACEMENTS = ("cpu", "gpu_stream", "hybrid", "auto", "gpu")

@@ -48,7 +48,7 @@ def model_shape(hf_config) -> ModelShape:
     import torch  # here: the cost model (and a config's kt_rates check) reads ModelShape without torch
     from transformers import AutoModelForCausalLM
 
-    from .wrap import expert_modules, find_arch  # wrap builds auto placement on this module's shapes
+    from .arch import expert_modules, find_arch
 
     config = copy.deepcopy(hf_config)
     # ktcore dequantises an FP8 checkpoint while loading: the model it builds has no quantised modules
