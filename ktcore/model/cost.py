@@ -234,16 +234,14 @@ def _cost(placement, shape, s, rates, step_s, expert_s, cpu_share, resident, gpu
                     copy_bytes / 1e9, choice or placement)
 
 
-def _split(shape, s, rates, placement, n, times: LayerTimes) -> StepCost:
-    """Every MoE layer with ``n`` of its experts on the CPU (cpu: all, gpu_stream: none)."""
-    share = n / shape.experts
-    dense_layer = times.dense_s
+def _split(shape, s, rates, placement, share: float, times: LayerTimes, **kwargs) -> StepCost:
+    """Every MoE layer with ``share`` of its experts on the CPU (cpu: all, gpu_stream: none)."""
     layers = shape.moe_layers
     _, _, stream_bytes = stream_layer(shape, s, rates)
     ring_experts = min(s.ring, layers) * shape.experts
-    return _cost(placement, shape, s, rates, (shape.layers - layers) * dense_layer + layers * times.at(share),
-                 layers * (times.at(share) - dense_layer), share, (1 - share) * ring_experts, 1 - share,
-                 layers * (1 - share) * stream_bytes)
+    return _cost(placement, shape, s, rates, (shape.layers - layers) * times.dense_s + layers * times.at(share),
+                 layers * (times.at(share) - times.dense_s), share, (1 - share) * ring_experts, 1 - share,
+                 layers * (1 - share) * stream_bytes, **kwargs)
 
 
 def fewest_cpu_experts(shape: ModelShape, s: Setting, rates: Rates, lo: int, hi: int) -> int:
@@ -278,14 +276,10 @@ def predict(shape: ModelShape, s: Setting, rates: Rates, placement: str) -> Step
         return _cost("gpu", shape, s, rates, dense + experts, experts, 0.0, layers * shape.experts, 1.0, 0.0)
     times = layer_times(shape, s, rates)
     if placement == "gpu_stream":
-        return _split(shape, s, rates, "gpu_stream", 0, times)
+        return _split(shape, s, rates, "gpu_stream", 0.0, times)
     if placement == "hybrid":
-        share, layer_s = hybrid_share(times.cpu_s, times.copy_s, times.compute_s, times.dense_s)
-        _, _, stream_bytes = stream_layer(shape, s, rates)
-        ring_experts = min(s.ring, layers) * shape.experts
-        return _cost("hybrid", shape, s, rates, (shape.layers - layers) * times.dense_s + layers * layer_s,
-                     layers * (layer_s - times.dense_s), share, (1 - share) * ring_experts, 1 - share,
-                     layers * (1 - share) * stream_bytes)
+        share, _ = hybrid_share(times.cpu_s, times.copy_s, times.compute_s, times.dense_s)
+        return _split(shape, s, rates, "hybrid", share, times)
     if placement == "auto":
         return auto_split(shape, s, rates)[0]
     raise ValueError(f"unknown placement {placement!r}; one of {', '.join(PLACEMENTS)}")
@@ -324,17 +318,15 @@ def auto_split(shape: ModelShape, s: Setting, rates: Rates, lo: int = 0, hi: Opt
     gpu_limit = rates.gpu_mem_gib or math.inf
 
     def best(a, b):
-        return min((_split(shape, s, rates, "auto", n, times) for n in range(a, b + 1)),
-                   key=lambda c: (c.gpu_gib > gpu_limit, c.step_s))
+        return min(((_split(shape, s, rates, "auto", n / experts, times), n) for n in range(a, b + 1)),
+                   key=lambda c: (c[0].gpu_gib > gpu_limit, c[0].step_s))
 
-    lo, hi = auto_window(shape, s, rates, round(best(lo, hi).cpu_share * experts), lo, hi)
-    cost = best(lo, hi)
-    n = round(cost.cpu_share * experts)
+    lo, hi = auto_window(shape, s, rates, best(lo, hi)[1], lo, hi)
+    _, n = best(lo, hi)
     window = "" if (lo, hi) == (0, experts) else f" (host RAM holds both copies of {hi - lo} of {experts} " \
                                                    f"experts: CPU experts {lo}..{hi})"
-    cost = _cost("auto", shape, s, rates, cost.step_s, cost.expert_s, cost.cpu_share,
-                 (1 - cost.cpu_share) * min(s.ring, shape.moe_layers) * experts, 1 - cost.cpu_share,
-                 cost.copy_gb * 1e9, hi / experts, 1 - lo / experts, choice_name(n, experts) + window)
+    cost = _split(shape, s, rates, "auto", n / experts, times, packed_share=hi / experts,
+                  pinned_share=1 - lo / experts, choice=choice_name(n, experts) + window)
     return cost, lo, hi
 
 
