@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 import ktcore
-from ktcore.commands.bench import make_expert_lora
+from ktcore.experts.probe import make_expert_lora
 from ktcore.config import KTConfig
 from ktcore.experts import ExpertWeights
 from ktcore_amx_bf16 import _ext

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 import ktcore
-from ktcore.commands.bench import Shape, make_problem, median_time
+from ktcore.experts.probe import Shape, make_problem, median_time
 from ktcore.config import KTConfig
 
 

@@ -99,7 +99,7 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",")]
     torch.set_num_threads(args.threads)
 
-    from ktcore.commands.doctor import measure_read_bandwidth
+    from ktcore.experts.probe import measure_read_bandwidth
     from ktcore_llamafile.backend import LlamafileBackend
 
     bw = statistics.median(measure_read_bandwidth() for _ in range(3))

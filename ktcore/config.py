@@ -54,13 +54,16 @@ class KTConfig:
     kt_placement: Optional[list] = _key("per-layer rules [{match: REGEX, device: gpu} or {match: REGEX, "
                                         "backend: NAME}]; the first rule matching an experts module decides")
     kt_expert_placement: str = _key("where routed experts are computed when no kt_placement rule matches: cpu "
-                                    "(the CPU backend), gpu_stream (host memory, streamed to the GPU per use) or "
-                                    "hybrid (split between the two); auto is planned (ktcore plan predicts it)",
+                                    "(the CPU backend), gpu_stream (host memory, streamed to the GPU per use), "
+                                    "hybrid (split between the two) or auto (per layer and call, the fastest of "
+                                    "those by the cost model and the layer's measured times)",
                                     ("cpu", "gpu_stream", "hybrid", "auto"), default="cpu")
     kt_stream_ring: int = _key("gpu_stream: layers of streamed experts kept on the GPU at once (>= the MoE layers: "
                                "backward streams nothing again)", default=2)
     kt_hybrid_cpu_share: Optional[float] = _key("hybrid: share of each layer's experts the CPU backend computes "
-                                                "(ktcore plan's CPU share)")
+                                                "(unset: chosen from the rates and re-balanced from measured times)")
+    kt_rates: Optional[str] = _key("auto and re-balanced hybrid placement: a rates file (`ktcore doctor --json` "
+                                   "output or examples/rates/*.json) to start from; unset: measured at load")
     kt_expert_lora_device: str = _key("where the routed experts' LoRA factors, their gradients and optimizer "
                                       "state live: model (the model's device, copied to the backend each call) "
                                       "or host (host memory, read and written there by the backend)",
@@ -75,7 +78,8 @@ class KTConfig:
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
                    "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement",
-                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share", "kt_expert_lora_device")
+                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share", "kt_rates",
+                   "kt_expert_lora_device")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")
 
 
@@ -296,6 +300,13 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
                           f"{kt.kt_hybrid_cpu_share}")
     if kt.kt_stream_ring < 1:
         raise ConfigError(f"{where}: kt_config.kt_stream_ring must be >= 1, got {kt.kt_stream_ring}")
+    if kt.kt_rates is not None:
+        from .model.cost import load_rates
+
+        try:
+            load_rates(kt.kt_rates)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: kt_config.kt_rates: {exc}") from exc
     try:
         parse_rules(kt.kt_placement, where)
     except ValueError as exc:

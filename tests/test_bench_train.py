@@ -2,6 +2,7 @@
 model it writes, and the scratch directory it cleans up. No timing assertions."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -125,3 +126,20 @@ def test_bad_tokens_are_one_line_and_exit_2_and_every_shape_is_offered():
     assert result.exit_code == 2 and "positive token counts" in result.output
     shape_option = next(o for o in main.commands["bench"].commands["train"].params if o.name == "shape")
     assert sorted(shape_option.type.choices) == sorted(SHAPES)
+
+
+def test_auto_reports_what_it_took(tmp_path):
+    """--placement auto (and hybrid with --hybrid-cpu-share auto): the split each run's two layers took at the last
+    call of each tokens (these rates put 16 tokens on the CPU by a margin of 1000x, more than what the layers
+    measure can move in a few calls; at 128 what they measured decides)."""
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"cpu_expert_gflops": 100.0, "dram_gbps": 100.0, "cpu_cores": 2, "h2d_gbps": 0.01,
+                                 "gpu_tflops": 1.0, "gpu_layer_ms": 0.0}))
+    rows = bench("--tokens", "16,128", "--kernel-seconds", "0", "--no-expert-lora-off", "--placement", "auto,hybrid",
+                 "--hybrid-cpu-share", "auto", "--rates", str(rates), "--workdir", str(tmp_path / "work"))
+    assert [(r["run"], r["tokens"]) for r in rows] == [("ktcore auto", 16), ("ktcore auto", 128),
+                                                      ("ktcore hybrid", 16), ("ktcore hybrid", 128)]
+    assert all(r["error"] is None and r["tok_s"] > 0 for r in rows)
+    assert rows[0]["auto_choice"] == "cpu x2"
+    assert re.fullmatch(r"(cpu|gpu_stream|hybrid [1-7]/8) x2", rows[1]["auto_choice"])
+    assert all(re.fullmatch(r"hybrid [1-7]/8 x2", r["auto_choice"]) for r in rows[2:])

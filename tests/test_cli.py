@@ -385,7 +385,9 @@ except SystemExit as exc:
     ("kt_config:\n  kt_backend: torch\n", ["model_name_or_path={tmp}/nothing"],
      "model_name_or_path '{tmp}/nothing' does not exist"),
     ("kt_config:\n  kt_backend: torch\n", ["--scenario", "x"], "error: ktcore train: No such option '--scenario'."),
-], ids=["unknown-backend", "override-typo", "conflicting-keys", "missing-model", "unknown-option"])
+    ("kt_config:\n  kt_expert_placement: auto\n", ["kt_config.kt_rates={tmp}/rates.json"],
+     "kt_config.kt_rates: {tmp}/rates.json: not a readable JSON rates file"),
+], ids=["unknown-backend", "override-typo", "conflicting-keys", "missing-model", "unknown-option", "bad-rates"])
 def test_config_errors_are_one_line_before_torch_is_imported(tmp_path, yaml_text, extra, expected):
     """Each mistake is one line naming the file (or the command line), found before torch, transformers or trl
     is imported (so in a fraction of a second, not the ~10 s those imports take)."""

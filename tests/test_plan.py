@@ -92,8 +92,11 @@ def test_auto_never_takes_what_does_not_fit(shapes):
     shape, step = shapes["dsv2lite6"], Setting(tokens=4096)
     free = plan(shape, step, SLOW_CPU)
     assert free["auto"] in ("gpu_stream", "hybrid")
-    tight = plan(shape, step, replace(SLOW_CPU, gpu_mem_gib=free["costs"]["cpu"].gpu_gib + 0.1))
-    assert tight["auto"] == "cpu" and not tight["costs"]["gpu_stream"].fits
+    limit = free["costs"]["cpu"].gpu_gib + 0.1
+    tight = plan(shape, step, replace(SLOW_CPU, gpu_mem_gib=limit))
+    assert not tight["costs"]["gpu_stream"].fits
+    auto = tight["costs"]["auto"]  # the CPU all but one or two experts of a layer: what fits beside the cpu's
+    assert auto.fits and auto.gpu_gib <= limit and auto.cpu_share > 0.9 and tight["auto"] in ("cpu", "hybrid")
     assert "GPU memory" in tight["costs"]["gpu_stream"].why_not
     nothing = plan(shape, step, replace(SLOW_CPU, host_ram_gib=1))
     assert nothing["auto"] is None and not any(c.fits for c in nothing["costs"].values())
@@ -140,17 +143,22 @@ def rows(step):
 
 @pytest.mark.slow
 def test_plan_deepseek_v3_fits_only_a_big_host():
-    """671B in bf16: 1.2 TiB of experts fits no 128 GiB host. On a 1.5 TiB host only the cpu placement fits the
-    H200 at 2K tokens: a streamed layer is 22 GiB of bf16 experts, twice with its LoRA (W + B @ A), and the
-    expert LoRA's AdamW state alone is ~35 GiB; at 8K the activations leave nothing fitting."""
+    """671B in bf16: 1.2 TiB of experts fits no 128 GiB host. On a 1.5 TiB host only the cpu placement of the fixed
+    ones fits the H200 at 2K tokens: a streamed layer is 22 GiB of bf16 experts, twice with its LoRA (W + B @ A),
+    and the expert LoRA's AdamW state alone is ~35 GiB; auto finds a split that fits beside it (a quarter of the
+    experts streamed), in a window of experts held twice that the rest of the 1.5 TiB holds; at 8K the
+    activations leave nothing fitting."""
     small = plan_example("deepseek_v3", "--tokens", "2048")
     step = small["steps"][0]
     assert step["auto"] is None and not any(r["fits"] for r in step["placements"])
     assert all("host RAM" in r["why_not"] for r in step["placements"])
     big = plan_example("deepseek_v3", "--tokens", "2048,8192", "--host-ram", "1536")
     two, eight = (rows(s) for s in big["steps"])
-    assert two["cpu"]["fits"] and big["steps"][0]["auto"] == "cpu"
+    assert two["cpu"]["fits"] and big["steps"][0]["auto"] == "hybrid"
     assert all("GPU memory" in two[p]["why_not"] for p in ("gpu_stream", "hybrid", "gpu"))
+    auto = two["auto"]
+    assert auto["fits"] and auto["step_s"] < two["cpu"]["step_s"] and auto["gpu_gib"] <= 139
+    assert auto["host_gib"] <= 1536 and "host RAM holds both copies of" in auto["choice"]
     assert big["steps"][1]["auto"] is None and "GPU memory" in eight["cpu"]["why_not"]
     assert 1200 < two["cpu"]["host_gib"] < 1300
     assert big["shape"]["moe_layers"] == 58 and big["rates"]["host_ram_gib"] == 1536
@@ -166,7 +174,13 @@ def test_plan_qwen3_and_mixtral_on_the_h200():
         assert set(got["cpu"]) >= {"tokens_per_s", "step_s", "gpu_gib", "host_gib", "fits", "why_not", "cpu_share",
                                    "copy_gb"}
         assert got["cpu"]["fits"] and got["gpu_stream"]["fits"] and got["hybrid"]["fits"]
-        assert step["auto"] == "hybrid"
+        assert step["auto"] == "hybrid" and step["auto_choice"] == got["auto"]["choice"]
+        # auto: the best whole split of 128 experts, and its host memory counts the experts held twice
+        assert got["auto"]["fits"] and got["auto"]["step_s"] <= got["hybrid"]["step_s"] * 1.01
+        assert got["auto"]["host_gib"] > got["hybrid"]["host_gib"] + 40
+    assert qwen["steps"][0]["auto_choice"] == "hybrid 33/128"
+    # at 8K the CPU's saved activations leave room for both copies of 106 of the 128 experts a layer
+    assert qwen["steps"][1]["auto_choice"].startswith("hybrid 8/128 (host RAM holds both copies of 106 of 128")
     mixtral = rows(plan_example("mixtral_8x7b", "--tokens", "8192")["steps"][0])
     assert not mixtral["cpu"]["fits"] and "host RAM" in mixtral["cpu"]["why_not"]  # saved activations
     assert mixtral["gpu_stream"]["fits"] and not mixtral["gpu"]["fits"]

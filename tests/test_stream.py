@@ -42,7 +42,7 @@ def test_refetch_happens_and_weights_are_not_kept(qwen3_pair):
     stream = ours.ktcore.stream
     calls = []
     fetch = stream.fetch
-    stream.fetch = lambda index, direction: calls.append((index, direction)) or fetch(index, direction)
+    stream.fetch = lambda index, direction, *first: calls.append((index, direction)) or fetch(index, direction, *first)
     _, model = peft_pair(plain, ours)
     ids, mask = batch(4)
     model(ids, attention_mask=mask, labels=ids).loss.backward()
@@ -118,19 +118,17 @@ def test_hybrid_matches_cpu_placement_on_deepseek():
     assert_same_training_signal(a, b, *batch(10))  # measured 1e-7 (logits), 5e-7 (gradients)
 
 
-def test_hybrid_needs_its_share_before_any_weight(qwen3_pair):
+def test_hybrid_share_must_leave_each_side_an_expert(qwen3_pair):
     _, ours = qwen3_pair
-    with pytest.raises(ConfigError, match="kt_hybrid_cpu_share is required"):
-        ktcore.wrap_model(ours, {"kt_config": {"kt_expert_placement": "hybrid"}})
-    assert not is_placeholder(ours.model.layers[0].mlp.experts.gate_up_proj)
     with pytest.raises(ValueError, match="needs 1 to"):
         hybrid(ours, share=0.01)
 
 
-def test_auto_is_one_line_before_any_weight(qwen3_pair):
+def test_bad_rates_file_is_one_line_before_any_weight(qwen3_pair, tmp_path):
     _, ours = qwen3_pair
-    with pytest.raises(ConfigError, match="kt_expert_placement: auto is not implemented yet"):
-        ktcore.wrap_model(ours, {"kt_config": {"kt_expert_placement": "auto"}})
+    with pytest.raises(ConfigError, match="missing.json: not a readable JSON rates file"):
+        ktcore.wrap_model(ours, {"kt_config": {"kt_expert_placement": "auto",
+                                               "kt_rates": str(tmp_path / "missing.json")}})
     assert not is_placeholder(ours.model.layers[0].mlp.experts.gate_up_proj)
 
 

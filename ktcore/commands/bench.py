@@ -14,22 +14,10 @@ bounds on such figures run only with ``pytest -m perf``.
 from __future__ import annotations
 
 import statistics
-import time
-from dataclasses import dataclass
 
 import torch
 
-from ..experts import ExpertLoRA, ExpertWeights
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    experts: int
-    top_k: int
-    hidden: int
-    inter: int
-    tokens: tuple
+from ..experts.probe import Shape, make_problem, median_time
 
 
 SCENARIOS = {
@@ -39,37 +27,6 @@ SCENARIOS = {
     "dsv2lite": Shape("DeepSeek-V2-Lite E64 K6 H2048 I1408", 64, 6, 2048, 1408, (1, 16, 512, 4096)),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def median_time(fn, seconds: float, min_reps: int = 3, max_reps: int = 50) -> float:
-    fn()  # warm-up
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start < seconds and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def make_problem(shape: Shape, tokens: int, dtype, seed: int = 0, lora_rank: int = 0):
-    """Random weights, inputs and routing of one layer, and expert LoRA of rank lora_rank (fp32 factors, as PEFT
-    keeps them; None for rank 0)."""
-    g = torch.Generator().manual_seed(seed)
-    e, k, h, i = shape.experts, shape.top_k, shape.hidden, shape.inter
-    weights = ExpertWeights(*((torch.randn(*s, generator=g) * (s[2] ** -0.5)).to(dtype)
-                              for s in ((e, i, h), (e, i, h), (e, h, i))))
-    x = torch.randn(tokens, h, generator=g).to(dtype)
-    ids = torch.rand(tokens, e, generator=g).topk(k, dim=1).indices
-    w = torch.softmax(torch.rand(tokens, k, generator=g), dim=1)
-    return weights, x, ids, w, make_expert_lora(e, h, i, lora_rank, g) if lora_rank else None
-
-
-def make_expert_lora(experts: int, hidden: int, inter: int, rank: int, generator: torch.Generator) -> ExpertLoRA:
-    """Random expert LoRA of one layer on gate_up and down, fp32 factors as PEFT keeps them."""
-    e, h, i, r, g = experts, hidden, inter, rank, generator
-    return ExpertLoRA(torch.randn(e, r, h, generator=g) * h ** -0.5, torch.randn(e, 2 * i, r, generator=g) * 0.01,
-                      torch.randn(e, r, i, generator=g) * i ** -0.5, torch.randn(e, h, r, generator=g) * 0.01,
-                      gate_up_scale=2.0, down_scale=2.0)
 
 
 def minor_page_faults(fn) -> int:
@@ -115,7 +72,8 @@ def _spread_pct(times: list) -> float:
 def run(scenarios, backends: dict, dtype: str, seconds: float, backward: bool, tokens=None, lora_rank: int = 8,
         rounds: int = 3) -> dict:
     """backends: name -> instance (the first is the baseline). Returns {"machine": ..., "rows": [...]}."""
-    from .doctor import backend_reports, measure_onednn_bf16_gflops, measure_read_bandwidth
+    from ..experts.probe import measure_read_bandwidth
+    from .doctor import backend_reports, measure_onednn_bf16_gflops
 
     bandwidth = measure_read_bandwidth(seconds=seconds)
     gemm, _ = measure_onednn_bf16_gflops(seconds=seconds)

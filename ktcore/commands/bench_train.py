@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -330,7 +331,7 @@ def kernel_time(model, tokens: int, rank: int, seconds: float, dtype=torch.bfloa
     """Forward + backward seconds of the model's CPU-backend expert layers at ``tokens`` tokens, called on the
     backend alone (random routing, random LoRA factors of rank r), summed over the layers; with and without
     expert LoRA (None for both when ``seconds`` is 0)."""
-    from .bench import median_time
+    from ..experts.probe import median_time
     from ..experts import ExpertLoRA
 
     layers = model.ktcore.layers
@@ -384,7 +385,8 @@ class Settings:
     placements: tuple = ("cpu",)  # kt_expert_placement of each ktcore run, side by side
     expert_lora_devices: tuple = ("model",)  # kt_expert_lora_device of each ktcore run, side by side
     stream_ring: int = 2  # kt_stream_ring of the gpu_stream and hybrid runs
-    hybrid_cpu_share: float = 0.5  # kt_hybrid_cpu_share of the hybrid runs
+    hybrid_cpu_share: Optional[float] = 0.5  # kt_hybrid_cpu_share of the hybrid runs (None: re-balanced)
+    rates: Optional[str] = None  # kt_rates of the auto and re-balanced hybrid runs (None: measured at load)
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
     @property
@@ -433,7 +435,8 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
     device = settings.device
     kt = {"kt_backend": backend or settings.backend, "kt_num_threads": settings.threads,
           "kt_expert_placement": placement, "kt_stream_ring": settings.stream_ring,
-          "kt_hybrid_cpu_share": settings.hybrid_cpu_share, "kt_expert_lora_device": lora_device}
+          "kt_hybrid_cpu_share": settings.hybrid_cpu_share, "kt_rates": settings.rates,
+          "kt_expert_lora_device": lora_device}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
     chunk_lm_loss(base)  # as ktcore train
     stream = base.ktcore.stream
@@ -480,11 +483,13 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                 elif step_off is not None:
                     split["expert_lora_s"] = step_s - step_off
                 denominator = (kernels["kernel_s"] or 0) + split["gpu_busy_s"]
+                auto = base.ktcore.auto
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, step_s=step_s,
                            tok_s=tokens / step_s, split=split, **kernels,
                            overhead_ratio=step_s / denominator if kernels["kernel_s"] else None,
                            peak_gpu_gib=timed["peak_gpu_gib"], peak_host_gib=timed["peak_host_gib"],
-                           host_lora_gib=host_factor_bytes(base) / GIB, memory=timed["memory"], error=None)
+                           host_lora_gib=host_factor_bytes(base) / GIB, memory=timed["memory"],
+                           auto_choice=auto and auto_choices(auto, tokens), error=None)
             except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others still run
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, error=_error_line(exc))
             finally:
@@ -495,6 +500,12 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
         yield from _loss_run(settings, base, common)
     del base
     _reset_peaks(device)
+
+
+def auto_choices(auto, tokens: int) -> str:
+    """What auto placement's layers took at the last call of ``tokens``, e.g. ``hybrid 4/64 x5``."""
+    counts = Counter(auto.chosen.get(tokens, {}).values())
+    return ", ".join(f"{choice} x{count}" for choice, count in sorted(counts.items()))
 
 
 def _loss_run(settings: Settings, base, common: dict) -> Iterator[dict]:
@@ -651,7 +662,8 @@ COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), (
            ("resident_gib", "resident GiB"),
            ("activations_gib", "activations GiB"), ("layers_peak_gib", "layers peak"), ("loss_peak_gib", "loss peak"),
            ("backward_peak_gib", "backward peak"), ("peak_phase", "peak in"), ("loss_first", "loss first"),
-           ("loss_last", "loss last"), ("loss_vs_bf16", "loss vs bf16"), ("error", "error"))
+           ("loss_last", "loss last"), ("loss_vs_bf16", "loss vs bf16"), ("auto_choice", "auto took"),
+           ("error", "error"))
 
 
 def format_header(settings: Settings) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import click
@@ -398,6 +399,20 @@ def bench_convert_cmd(model_dir, synthetic_gb, fmt, threadpools, workdir, worker
     click.echo(json.dumps(result) if as_json else format_result(result))
 
 
+def _share(text: str) -> float:
+    """--hybrid-cpu-share's value: a share, or None for auto."""
+    if text == "auto":
+        return None
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0 < share < 1:
+        raise click.BadParameter(f"{text!r}: a share between 0 and 1 (exclusive), or auto",
+                                 param_hint="--hybrid-cpu-share")
+    return share
+
+
 @bench.command("train")
 @click.option("--shape", default="deepseek-v2-lite", show_default=True,
               type=click.Choice(["deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b"]), help="the model's shape")
@@ -431,9 +446,12 @@ def bench_convert_cmd(model_dir, synthetic_gb, fmt, threadpools, workdir, worker
 @click.option("--keep", is_flag=True, help="keep the scratch model (its path is printed)")
 @click.option("--cpu", "on_cpu", is_flag=True, help="run on the CPU at the tiny shape even when there is a GPU")
 @click.option("--placement", "placements", default="cpu", show_default=True,
-              help="comma list of kt_expert_placement values, each run side by side (cpu, gpu_stream, hybrid)")
-@click.option("--hybrid-cpu-share", default=0.5, show_default=True, type=click.FloatRange(0, 1, min_open=True,
-              max_open=True), help="kt_hybrid_cpu_share of the hybrid runs (ktcore plan predicts the best)")
+              help="comma list of kt_expert_placement values, each run side by side (cpu, gpu_stream, hybrid, auto)")
+@click.option("--hybrid-cpu-share", default="0.5", show_default=True,
+              help="kt_hybrid_cpu_share of the hybrid runs (ktcore plan predicts the best); auto: unset, the share "
+                   "chosen from the rates and re-balanced from measured times")
+@click.option("--rates", "rates_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="kt_rates of the auto and re-balanced hybrid runs (default: measured at load)")
 @click.option("--stream-ring", default=2, show_default=True, type=click.IntRange(min=1),
               help="kt_stream_ring of the gpu_stream runs")
 @click.option("--expert-lora-device", "lora_devices", default="model", show_default=True,
@@ -441,7 +459,7 @@ def bench_convert_cmd(model_dir, synthetic_gb, fmt, threadpools, workdir, worker
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
                 expert_lora_off, baseline, kernel_seconds, expert_formats, loss_steps, model_dir, workdir, keep, on_cpu,
-                placements, stream_ring, hybrid_cpu_share, lora_devices, as_json):
+                placements, stream_ring, hybrid_cpu_share, rates_path, lora_devices, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
@@ -458,16 +476,17 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
         raise click.BadParameter(f"{model_dir}: a .gguf file is timed with the experts it has; drop --expert-format "
                                  "(it writes GGUF files of a model directory or of the random model)",
                                  param_hint="--model")
+    share = _share(hybrid_cpu_share)
     settings = Settings(SHAPES[shape], layers, (), backend=backend, threads=threads, rank=lora_rank,
                         warmup=warmup, steps=steps, gradient_checkpointing=gradient_checkpointing,
                         expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds,
                         expert_formats=tuple(f for f in EXPERT_FORMATS if f in formats), loss_steps=loss_steps,
                         placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring,
-                        hybrid_cpu_share=hybrid_cpu_share,
+                        hybrid_cpu_share=share, rates=rates_path,
                         expert_lora_devices=tuple(d.strip() for d in lora_devices.split(",")))
-    unknown = [p for p in settings.placements if p not in ("cpu", "gpu_stream", "hybrid")]
+    unknown = [p for p in settings.placements if p not in ("cpu", "gpu_stream", "hybrid", "auto")]
     if unknown:
-        raise click.UsageError(f"--placement {','.join(unknown)}: bench train runs cpu, gpu_stream and hybrid")
+        raise click.UsageError(f"--placement {','.join(unknown)}: bench train runs cpu, gpu_stream, hybrid and auto")
     unknown = [d for d in settings.expert_lora_devices if d not in ("model", "host")]
     if unknown:
         raise click.UsageError(f"--expert-lora-device {','.join(unknown)}: choose model, host or model,host")

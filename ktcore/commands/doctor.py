@@ -13,27 +13,10 @@ import time
 
 import torch
 
+from ..experts.probe import best_rate, measure_read_bandwidth
 from ..plugins import get_registry
 from ..plugins.hw import KNOWN_FLAGS, cpu_info, total_memory_bytes
 from ..specs import import_object
-
-
-def best_rate(fn, seconds: float, work: float) -> float:
-    """work units per second of the fastest call of ``fn`` within ``seconds`` (at least 3 calls)."""
-    fn()  # warm up
-    best, deadline, calls = float("inf"), time.perf_counter() + seconds, 0
-    while calls < 3 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-        calls += 1
-    return work / best
-
-
-def measure_read_bandwidth(nbytes: int = 512 << 20, seconds: float = 0.5) -> float:
-    """GB/s of a multithreaded streaming read (torch sum over a buffer larger than the caches)."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    return best_rate(lambda: buf.sum(), seconds, buf.numel() * 4) / 1e9
 
 
 def measure_onednn_bf16_gflops(seconds: float = 0.5, max_n: int = 2048) -> tuple[float, int]:

@@ -59,6 +59,7 @@ def run(cfg, rates: Rates, tokens: list[int], gpu_mem: Optional[float] = None, h
                           gradient_checkpointing=cfg.gradient_checkpointing)
         result = plan(shape, setting, rates)
         steps.append({"tokens": t, "auto": result["auto"],
+                      "auto_choice": result["costs"]["auto"].choice if "auto" in result["costs"] else result["auto"],
                       "placements": [c.as_dict() for c in result["costs"].values()]})
     return {"model": cfg.model_name_or_path, "shape": asdict(shape), "rates": asdict(rates),
             "weight_format": fmt, "steps": steps}
@@ -77,7 +78,7 @@ def format_plan(result: dict) -> str:
     for step in result["steps"]:
         lines.append("")
         lines.append(f"{step['tokens']} tokens/step: auto takes "
-                     + (step["auto"] or "nothing (no placement fits; see the reasons)"))
+                     + (step["auto_choice"] if step["auto"] else "nothing (no placement fits; see the reasons)"))
         header = ("placement", "tok/s", "step s", "GPU GiB", "host GiB", "CPU share", "H2D GB", "fits")
         rows = [(c["placement"], f"{c['tokens_per_s']:,.0f}", f"{c['step_s']:.3f}", f"{c['gpu_gib']:.1f}",
                  f"{c['host_gib']:.1f}", f"{c['cpu_share']:.2f}", f"{c['copy_gb']:.1f}",

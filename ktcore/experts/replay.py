@@ -42,6 +42,12 @@ def contexts():
     return _active("record", tape), _active("replay", tape)
 
 
+def recomputing() -> bool:
+    """True while a checkpointed layer is being recomputed in backward."""
+    active = getattr(_state, "active", None)
+    return active is not None and active[0] == "replay"
+
+
 def replayed() -> Optional[torch.Tensor]:
     """The recorded output of this experts call when a checkpointed layer is being recomputed, else None."""
     active = getattr(_state, "active", None)

@@ -66,15 +66,62 @@ class Timeline:
             return out
 
 
+class LayerClock:
+    """The CPU expert seconds of one layer's own calls (what ``auto`` placement learns from), passed on to the
+    step's ``Timeline`` while one is attached (``step``)."""
+
+    def __init__(self):
+        self.step: Optional[Timeline] = None
+        self._lock = threading.Lock()
+        self._experts = 0.0
+
+    def __bool__(self):
+        return True
+
+    def take(self) -> float:
+        """The backend's seconds for this layer since the last ``take``."""
+        with self._lock:
+            seconds, self._experts = self._experts, 0.0
+            return seconds
+
+    def cpu_span(self, kind: str, seconds: float) -> None:
+        if kind == "experts":
+            with self._lock:
+                self._experts += seconds
+        if self.step:
+            self.step.cpu_span(kind, seconds)
+
+    def host_waited(self, seconds: float) -> None:
+        if self.step:
+            self.step.host_waited(seconds)
+
+    def gpu_mark(self, stream):
+        return self.step.gpu_mark(stream) if self.step else None
+
+    def gpu_span(self, kind: str, start, end) -> None:
+        if self.step and start is not None:
+            self.step.gpu_span(kind, start, end)
+
+    def gpu_wait(self, stream, done, since=None) -> None:
+        if self.step:
+            self.step.gpu_wait(stream, done, since)
+
+
 @contextmanager
 def attach(model, timeline: Optional[Timeline] = None):
     """Record into ``timeline`` (a new one by default) what every CPU-backend expert layer of ``model`` does."""
     timeline = timeline or Timeline()
     layers = list(model.ktcore.layers.values())
     for layer in layers:
-        layer.timeline = timeline
+        if isinstance(layer.timeline, LayerClock):
+            layer.timeline.step = timeline
+        else:
+            layer.timeline = timeline
     try:
         yield timeline
     finally:
         for layer in layers:
-            layer.timeline = None
+            if isinstance(layer.timeline, LayerClock):
+                layer.timeline.step = None
+            else:
+                layer.timeline = None

@@ -27,14 +27,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import ConfigError
-from .shape import ModelShape
+
+if TYPE_CHECKING:  # shape builds models through wrap, which builds auto placement on this module
+    from .shape import ModelShape
 
 GIB = 2**30
-PLACEMENTS = ("cpu", "gpu_stream", "hybrid", "gpu")
-CHOOSABLE = ("cpu", "gpu_stream", "hybrid")  # what kt_expert_placement: auto picks from
+PLACEMENTS = ("cpu", "gpu_stream", "hybrid", "auto", "gpu")
 
 # bytes per weight of each packed format (GGUF blocks: block bytes / block weights)
 FORMAT_BYTES = {"fp32": 4.0, "f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0, "gguf": 34 / 32, "q8_0": 34 / 32,
@@ -86,6 +87,7 @@ class StepCost:
     cpu_share: float  # share of the routed token-slots the CPU computes
     expert_s: float  # per step: routed experts (CPU, copies and GPU together, as they overlap)
     copy_gb: float  # host-to-device bytes per step
+    choice: str = ""  # auto: what it takes (cpu, gpu_stream, hybrid n/E), and its window when host RAM is short
 
     def as_dict(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -140,15 +142,53 @@ def stream_layer(shape: ModelShape, s: Setting, rates: Rates) -> tuple[float, fl
     return nbytes / (rates.h2d_gbps * 1e9), expert_flops(shape, s.tokens) / (rates.gpu_tflops * 1e12), nbytes
 
 
-def hybrid_share(cpu_s: float, copy_s: float, compute_s: float, dense_layer_s: float) -> tuple[float, float]:
-    """(CPU share, seconds) of one hybrid layer: the GPU's share is copied beside the layer's GPU work, the CPU's
-    share runs after the layer's attention beside the GPU's share of the experts. The share is searched: the
-    layer's time is piecewise linear in it."""
-    def layer_s(share):
-        return max((1 - share) * copy_s, dense_layer_s + max(share * cpu_s, (1 - share) * compute_s))
+@dataclass(frozen=True)
+class LayerTimes:
+    """One MoE layer's seconds per step (forward + backward), each for the whole layer's experts: on the CPU, their
+    copies to the GPU, their GPU compute, and the layer's own GPU work (attention, shared experts)."""
 
-    best = min((i / 1000 for i in range(1001)), key=layer_s)
-    return best, layer_s(best)
+    cpu_s: float
+    copy_s: float
+    compute_s: float
+    dense_s: float
+
+    def at(self, share: float) -> float:
+        """The layer with ``share`` of its experts on the CPU: the GPU's share is copied beside the layer's GPU
+        work (the copy runs while the layer before computes), the CPU's share runs after the layer's attention
+        beside the GPU's share of the experts. share 1 is the cpu placement, 0 gpu_stream."""
+        return max((1 - share) * self.copy_s, self.dense_s + max(share * self.cpu_s, (1 - share) * self.compute_s))
+
+    def scaled(self, cpu: float = 1.0, copy: float = 1.0, compute: float = 1.0) -> "LayerTimes":
+        return replace(self, cpu_s=self.cpu_s * cpu, copy_s=self.copy_s * copy, compute_s=self.compute_s * compute)
+
+    def best_split(self, experts: int, lo: int = 0, hi: Optional[int] = None) -> tuple[int, float]:
+        """(n, seconds): the number of experts in ``lo..hi`` the CPU computes that makes the layer fastest. The
+        time is a maximum of lines in the share, so its minimum over an interval lies at an end or where two
+        lines cross: only the experts next to those points are tried."""
+        hi = experts if hi is None else hi
+        crossings = [lo / experts, hi / experts]
+        if self.cpu_s + self.compute_s > 0:
+            crossings.append(self.compute_s / (self.cpu_s + self.compute_s))  # CPU share = GPU compute
+        if self.copy_s + self.cpu_s > 0:
+            crossings.append((self.copy_s - self.dense_s) / (self.copy_s + self.cpu_s))  # CPU share = copy
+        if self.copy_s > self.compute_s:
+            crossings.append(1 - self.dense_s / (self.copy_s - self.compute_s))  # copy = GPU work
+        tried = {min(hi, max(lo, f(c * experts))) for c in crossings for f in (math.floor, math.ceil)}
+        return min(((self.at(n / experts), n) for n in sorted(tried)))[::-1]
+
+
+def layer_times(shape: ModelShape, s: Setting, rates: Rates) -> LayerTimes:
+    """The cost model's times of one MoE layer (``rates`` with a GPU)."""
+    copy_s, compute_s, _ = stream_layer(shape, s, rates)
+    return LayerTimes(cpu_layer_s(shape, s, rates), copy_s, compute_s, gpu_dense_s(shape, s, rates) / shape.layers)
+
+
+def hybrid_share(cpu_s: float, copy_s: float, compute_s: float, dense_layer_s: float) -> tuple[float, float]:
+    """(CPU share, seconds) of one hybrid layer (``LayerTimes.at``) at the best share, searched: the layer's time
+    is piecewise linear in it."""
+    times = LayerTimes(cpu_s, copy_s, compute_s, dense_layer_s)
+    best = min((i / 1000 for i in range(1001)), key=times.at)
+    return best, times.at(best)
 
 
 def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_slot_share: float) -> float:
@@ -164,12 +204,16 @@ def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_s
     return weights + lora + acts + routed + GPU_FIXED_GIB * GIB
 
 
-def _host_memory(shape: ModelShape, s: Setting, cpu_share: float) -> float:
-    """Peak host bytes: the CPU's experts in the backend's format, the streamed ones pinned in bf16, and what
-    the CPU backend keeps for backward (input in bf16, gate and up in fp32 per token-slot; the input alone when
+def _host_memory(shape: ModelShape, s: Setting, cpu_share: float, packed_share: Optional[float] = None,
+                 pinned_share: Optional[float] = None) -> float:
+    """Peak host bytes: the CPU's experts in the backend's format (``packed_share`` of them, default the CPU's
+    share), the streamed ones pinned in bf16 (default the rest; auto keeps both copies of some), and what the CPU
+    backend keeps for backward (input in bf16, gate and up in fp32 per token-slot; the input alone when
     recomputing) plus its scratch for one layer (6H + 18I per token-slot)."""
-    expert_bytes = shape.routed_params * (cpu_share * FORMAT_BYTES[s.weight_format]
-                                          + (1 - cpu_share) * GPU_WEIGHT_BYTES)
+    packed_share = cpu_share if packed_share is None else packed_share
+    pinned_share = 1 - cpu_share if pinned_share is None else pinned_share
+    expert_bytes = shape.routed_params * (packed_share * FORMAT_BYTES[s.weight_format]
+                                          + pinned_share * GPU_WEIGHT_BYTES)
     slots = cpu_share * s.tokens * shape.top_k
     saved = (2 * shape.hidden if s.recompute else 2 * shape.hidden + 8 * shape.expert_intermediate)
     kept = slots * saved * min(shape.moe_layers, s.cache_depth)
@@ -177,16 +221,45 @@ def _host_memory(shape: ModelShape, s: Setting, cpu_share: float) -> float:
     return expert_bytes + kept + scratch + HOST_FIXED_GIB * GIB
 
 
-def _cost(placement, shape, s, rates, step_s, expert_s, cpu_share, resident, gpu_slot_share, copy_bytes):
+def _cost(placement, shape, s, rates, step_s, expert_s, cpu_share, resident, gpu_slot_share, copy_bytes,
+          packed_share=None, pinned_share=None, choice=""):
     gpu = _gpu_memory(shape, s, resident, gpu_slot_share) / GIB
-    host = _host_memory(shape, s, cpu_share) / GIB
+    host = _host_memory(shape, s, cpu_share, packed_share, pinned_share) / GIB
     why = []
     if rates.gpu_mem_gib is not None and gpu > rates.gpu_mem_gib:
         why.append(f"GPU memory {gpu:.1f} > {rates.gpu_mem_gib:g} GiB")
     if rates.host_ram_gib is not None and host > rates.host_ram_gib:
         why.append(f"host RAM {host:.1f} > {rates.host_ram_gib:g} GiB")
     return StepCost(placement, step_s, s.tokens / step_s, gpu, host, not why, "; ".join(why), cpu_share, expert_s,
-                    copy_bytes / 1e9)
+                    copy_bytes / 1e9, choice or placement)
+
+
+def _split(shape, s, rates, placement, share: float, times: LayerTimes, **kwargs) -> StepCost:
+    """Every MoE layer with ``share`` of its experts on the CPU (cpu: all, gpu_stream: none)."""
+    layers = shape.moe_layers
+    _, _, stream_bytes = stream_layer(shape, s, rates)
+    ring_experts = min(s.ring, layers) * shape.experts
+    return _cost(placement, shape, s, rates, (shape.layers - layers) * times.dense_s + layers * times.at(share),
+                 layers * (times.at(share) - times.dense_s), share, (1 - share) * ring_experts, 1 - share,
+                 layers * (1 - share) * stream_bytes, **kwargs)
+
+
+def fewest_cpu_experts(shape: ModelShape, s: Setting, rates: Rates, lo: int, hi: int) -> int:
+    """The fewest CPU experts in ``lo..hi`` at which the step fits the GPU's memory (it falls as the CPU takes
+    more: fewer experts streamed and fewer token-slots computed there); ``hi`` when none fits."""
+    if rates.gpu_mem_gib is None:
+        return lo
+    ring = min(s.ring, shape.moe_layers) * shape.experts
+    for n in range(lo, hi + 1):
+        share = n / shape.experts
+        if _gpu_memory(shape, s, (1 - share) * ring, 1 - share) / GIB <= rates.gpu_mem_gib:
+            return n
+    return hi
+
+
+def choice_name(n: int, experts: int) -> str:
+    """What ``n`` CPU experts of a layer of ``experts`` is: cpu, gpu_stream or hybrid with its split."""
+    return "cpu" if n >= experts else "gpu_stream" if n <= 0 else f"hybrid {n}/{experts}"
 
 
 def predict(shape: ModelShape, s: Setting, rates: Rates, placement: str) -> StepCost:
@@ -201,30 +274,71 @@ def predict(shape: ModelShape, s: Setting, rates: Rates, placement: str) -> Step
     if placement == "gpu":
         experts = layers * expert_flops(shape, s.tokens) / (rates.gpu_tflops * 1e12)
         return _cost("gpu", shape, s, rates, dense + experts, experts, 0.0, layers * shape.experts, 1.0, 0.0)
-    copy_s, compute_s, stream_bytes = stream_layer(shape, s, rates)
-    dense_layer = dense / shape.layers
-    other_layers = (shape.layers - layers) * dense_layer
-    ring_experts = min(s.ring, layers) * shape.experts
+    times = layer_times(shape, s, rates)
     if placement == "gpu_stream":
-        # the copy for layer L+1 runs beside layer L's GPU work: a MoE layer takes the longer of the two
-        step = other_layers + layers * max(copy_s, dense_layer + compute_s)
-        return _cost("gpu_stream", shape, s, rates, step, layers * max(copy_s, compute_s), 0.0, ring_experts, 1.0,
-                     layers * stream_bytes)
+        return _split(shape, s, rates, "gpu_stream", 0.0, times)
     if placement == "hybrid":
-        share, layer_s = hybrid_share(cpu_layer_s(shape, s, rates), copy_s, compute_s, dense_layer)
-        return _cost("hybrid", shape, s, rates, other_layers + layers * layer_s, layers * (layer_s - dense_layer),
-                     share, (1 - share) * ring_experts, 1 - share, layers * (1 - share) * stream_bytes)
+        share, _ = hybrid_share(times.cpu_s, times.copy_s, times.compute_s, times.dense_s)
+        return _split(shape, s, rates, "hybrid", share, times)
+    if placement == "auto":
+        return auto_split(shape, s, rates)[0]
     raise ValueError(f"unknown placement {placement!r}; one of {', '.join(PLACEMENTS)}")
 
 
+def auto_window(shape: ModelShape, s: Setting, rates: Rates, center: int, lo: int = 0, hi: Optional[int] = None
+                ) -> tuple[int, int]:
+    """The CPU-expert counts ``lo..hi`` an auto layer can switch between: the CPU backend packs experts ``..hi``,
+    the stream keeps experts ``lo..`` in pinned memory, so experts ``lo..hi`` are held twice. Both copies of every
+    expert (0..E: cpu, gpu_stream and every hybrid split) when host RAM holds them; else the widest window that
+    fits around ``center`` (``lo == hi``: one copy, a fixed split)."""
+    experts = shape.experts
+    hi = experts if hi is None else hi
+
+    def host(a, b):
+        return _host_memory(shape, s, b / experts, b / experts, 1 - a / experts) / GIB
+
+    if rates.host_ram_gib is None or host(lo, hi) <= rates.host_ram_gib:
+        return lo, hi
+    a = b = center
+    while True:  # widen one expert at a time, on the side that costs less
+        fitting = [w for w in ((a - 1, b), (a, b + 1)) if lo <= w[0] and w[1] <= hi and host(*w) <= rates.host_ram_gib]
+        if not fitting:
+            return a, b
+        a, b = min(fitting, key=lambda w: host(*w))
+
+
+def auto_split(shape: ModelShape, s: Setting, rates: Rates, lo: int = 0, hi: Optional[int] = None
+               ) -> tuple[StepCost, int, int]:
+    """``auto`` with ``lo..hi`` CPU experts allowed per layer: (its cost, and the window of CPU-expert counts host
+    RAM holds both copies of, ``auto_window``). Every layer takes its fastest split whose GPU memory fits (the
+    window is centred there); its host memory counts both copies of the window's experts."""
+    experts = shape.experts
+    hi = experts if hi is None else hi
+    times = layer_times(shape, s, rates)
+    gpu_limit = rates.gpu_mem_gib or math.inf
+
+    def best(a, b):
+        return min(((_split(shape, s, rates, "auto", n / experts, times), n) for n in range(a, b + 1)),
+                   key=lambda c: (c[0].gpu_gib > gpu_limit, c[0].step_s))
+
+    lo, hi = auto_window(shape, s, rates, best(lo, hi)[1], lo, hi)
+    _, n = best(lo, hi)
+    window = "" if (lo, hi) == (0, experts) else f" (host RAM holds both copies of {hi - lo} of {experts} " \
+                                                   f"experts: CPU experts {lo}..{hi})"
+    cost = _split(shape, s, rates, "auto", n / experts, times, packed_share=hi / experts,
+                  pinned_share=1 - lo / experts, choice=choice_name(n, experts) + window)
+    return cost, lo, hi
+
+
 def plan(shape: ModelShape, s: Setting, rates: Rates) -> dict:
-    """Every placement's cost, and what ``auto`` takes: the fastest of cpu / gpu_stream / hybrid that fits
-    (``cpu`` when none fits, with the reason in its row)."""
-    placements = PLACEMENTS if rates.has_gpu else ("cpu",)
-    costs = {p: predict(shape, s, rates, p) for p in placements}
-    fitting = [c for p, c in costs.items() if p in CHOOSABLE and c.fits]
-    auto = min(fitting, key=lambda c: c.step_s).placement if fitting else None
-    return {"costs": costs, "auto": auto}
+    """Every placement's cost, and what ``auto`` takes: per layer the fastest split of its experts between the CPU
+    and the stream (cpu, gpu_stream or hybrid) that fits; None when even that does not fit."""
+    if not rates.has_gpu:
+        cpu = predict(shape, s, rates, "cpu")
+        return {"costs": {"cpu": cpu}, "auto": "cpu" if cpu.fits else None}
+    costs = {p: predict(shape, s, rates, p) for p in PLACEMENTS}
+    auto = costs["auto"]
+    return {"costs": costs, "auto": auto.choice.split(" ")[0] if auto.fits else None}
 
 
 def is_finite(value) -> bool:

@@ -54,7 +54,9 @@ def wants_host(model) -> bool:
 
 def _on_cpu_backend(experts) -> bool:
     """A routed-experts module computed wholly by a CPU backend (not on the GPU, streamed or split)."""
-    return "_ktcore_layer" in experts.__dict__ and "_ktcore_stream" not in experts.__dict__
+    marks = experts.__dict__  # what wrap.py installed: a split layer (hybrid, auto) also computes on the GPU
+    return "_ktcore_layer" in marks and not any(k in marks for k in ("_ktcore_stream", "_ktcore_auto",
+                                                                       "_ktcore_cpu_experts"))
 
 
 def expert_lora_factors(module) -> list:

@@ -11,7 +11,8 @@ name decides, and a module no rule matches uses ``kt_backend`` on the CPU::
 
 ``device: gpu`` leaves the layer's experts as transformers' own module on the model's device; ``device:
 gpu_stream`` keeps them in host memory and streams them to the model's device for each use (``model/stream.py``);
-``device: hybrid`` splits them between ``kt_backend`` and the stream (``model/hybrid.py``);
+``device: hybrid`` splits them between ``kt_backend`` and the stream (``model/hybrid.py``); ``device: auto``
+chooses among those per call (``model/auto.py``);
 ``backend`` names any expert backend plugin (computed on the CPU). ``kt_expert_placement`` is the device of the
 layers no rule matches.
 """
@@ -22,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-DEVICES = ("cpu", "gpu", "gpu_stream", "hybrid")
+DEVICES = ("cpu", "gpu", "gpu_stream", "hybrid", "auto")
 
 
 @dataclass(frozen=True)

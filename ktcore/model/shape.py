@@ -9,10 +9,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
-
-from .wrap import expert_modules, find_arch
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -49,7 +45,10 @@ def _head_dims(config) -> int:
 
 def model_shape(hf_config) -> ModelShape:
     """Count a transformers config's model (meta tensors only: seconds for a 671B model, no memory)."""
+    import torch  # here: the cost model (and a config's kt_rates check) reads ModelShape without torch
     from transformers import AutoModelForCausalLM
+
+    from .arch import expert_modules, find_arch
 
     config = copy.deepcopy(hf_config)
     # ktcore dequantises an FP8 checkpoint while loading: the model it builds has no quantised modules

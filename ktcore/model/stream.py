@@ -17,10 +17,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for streamed layers and layers placed on the GPU
+
+
+@dataclass
+class _Slot:
+    """One layer's experts ``first..`` on the device, and the side-stream events around their copy."""
+
+    first: int
+    tensors: tuple
+    started: Optional[torch.cuda.Event] = None
+    done: Optional[torch.cuda.Event] = None
+    timed: bool = False  # the copy's time was handed to a caller (take_copy)
 
 
 class ExpertStream:
@@ -32,48 +44,71 @@ class ExpertStream:
         self.device = torch.device(device)
         self.ring = ring
         self.host: list[tuple[torch.Tensor, torch.Tensor]] = []  # per streamed layer, in model order
-        self.slots: OrderedDict = OrderedDict()  # layer index -> ((gate_up, down) on the device, copy-done event)
+        self.base: list[int] = []  # per streamed layer: the layer's expert that host[index] starts with
+        self.slots: OrderedDict = OrderedDict()  # layer index -> _Slot
+        # the first expert a layer will fetch (an auto layer's planned split), what a prefetch copies; its base
+        # when None; a layer's whole count or more: it streams nothing
+        self.planner: Optional[Callable[[int], int]] = None
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.copied_bytes = 0  # host-to-device bytes so far (the bench reads it)
 
-    def add(self, gate_up: torch.Tensor, down: torch.Tensor) -> int:
-        """Keep one layer's experts (pinned when a GPU will read them); returns its index."""
+    def add(self, gate_up: torch.Tensor, down: torch.Tensor, base: int = 0) -> int:
+        """Keep one layer's experts ``base..`` (pinned when a GPU will read them); returns its index."""
         if self.side is not None:
             gate_up, down = gate_up.pin_memory(), down.pin_memory()
         self.host.append((gate_up, down))
+        self.base.append(base)
         return len(self.host) - 1
 
-    def _copy(self, index: int) -> None:
-        if index in self.slots:
+    def _copy(self, index: int, first: int) -> None:
+        held = self.slots.get(index)
+        if held is not None and held.first <= first:  # the copy held covers these experts: a view of it will do
             self.slots.move_to_end(index)
             return
-        host = self.host[index]
+        host = tuple(t[first - self.base[index]:] for t in self.host[index])  # contiguous: a view, no copy
         if self.side is None:  # the model is on the CPU: the host copy is the device copy
-            self.slots[index] = (host, None)
+            self.slots[index] = _Slot(first, host)
         else:
             with torch.cuda.stream(self.side):
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(self.side)
                 tensors = tuple(t.to(self.device, non_blocking=True) for t in host)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=True)
                 done.record(self.side)
-            self.slots[index] = (tensors, done)
+            self.slots[index] = _Slot(first, tensors, started, done)
             self.copied_bytes += sum(t.numel() * t.element_size() for t in host)
+        self.slots.move_to_end(index)
         while len(self.slots) > self.ring:
             self.slots.popitem(last=False)  # the oldest; a layer computing now still holds its own reference
 
-    def fetch(self, index: int, direction: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``index``'s experts on the device, ready for the compute stream; starts copying the layer
-        ``direction`` (+1 forward, -1 backward) from it, to overlap this layer's compute."""
-        self._copy(index)
-        tensors, done = self.slots[index]
-        if done is not None:
+    def fetch(self, index: int, direction: int, first: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts ``first..`` (default: all held) of layer ``index`` on the device, ready for the compute stream;
+        starts copying the layer ``direction`` (+1 forward, -1 backward) from it, to overlap this layer's
+        compute (the experts ``planner`` says it will take)."""
+        first = self.base[index] if first is None else first
+        self._copy(index, first)
+        slot = self.slots[index]
+        if slot.done is not None:
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(done)
-            for t in tensors:
+            compute.wait_event(slot.done)
+            for t in slot.tensors:
                 t.record_stream(compute)  # allocated on the side stream, read on this one
         following = index + direction
         if 0 <= following < len(self.host) and self.ring > 1:
-            self._copy(following)
-        return tensors
+            planned = self.planner(following) if self.planner else None
+            planned = self.base[following] if planned is None else planned
+            if planned < self.base[following] + self.host[following][0].shape[0]:
+                self._copy(following, planned)
+        return tuple(t[first - slot.first:] for t in slot.tensors)
+
+    def take_copy(self, index: int):
+        """(first expert, (start, end) events) of the copy layer ``index``'s device experts came from, once: None
+        when it was handed out before or there was no copy (the model on the CPU)."""
+        slot = self.slots.get(index)
+        if slot is None or slot.started is None or slot.timed:
+            return None
+        slot.timed = True
+        return slot.first, (slot.started, slot.done)
 
 
 @dataclass(frozen=True)
@@ -83,7 +118,7 @@ class _Refetch:
     part: int  # 0: gate_up, 1: down
     size: tuple
     stride: tuple
-    offset: int
+    offset: int  # from the weight's own first element (a refetch may land in a larger copy, at another offset)
 
 
 class _WeightsOf:
@@ -110,17 +145,20 @@ def _with_lora(weight: torch.Tensor, factors) -> torch.Tensor:
 
 
 def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, top_k_index, top_k_weights,
-                     lora=None, first: int = 0):
+                     lora=None, first: int = 0, on_fetched=None):
     """One streamed layer's experts: fetch, add LoRA, run transformers' grouped kernel; backward fetches again.
-    ``first``: the stream holds experts ``first..`` of the layer (a hybrid layer's GPU share), and
-    ``top_k_index`` counts from there (an id past them: no expert); ``lora`` is the whole layer's."""
+    ``first``: the GPU computes experts ``first..`` of the layer (a hybrid layer's GPU share), and
+    ``top_k_index`` counts from there (an id past them: no expert); ``lora`` is the whole layer's. ``on_fetched``
+    is called once the weights are ready (where auto placement starts timing the GPU's work)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     part = slice(first, None)
     factors = (None, None) if lora is None else (
         None if lora.gate_up_a is None else (lora.gate_up_b[part], lora.gate_up_a[part], lora.gate_up_scale),
         None if lora.down_a is None else (lora.down_b[part], lora.down_a[part], lora.down_scale))
-    base = stream.fetch(index, +1)
+    base = stream.fetch(index, +1, first)
+    if on_fetched is not None:
+        on_fetched()
     weights = tuple(_with_lora(w.to(hidden_states.dtype), f) for w, f in zip(base, factors))
     experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
     if stream.ring >= len(stream.host):  # every layer stays on the device: nothing to stream again
@@ -129,17 +167,17 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
 
     def pack(t):
         if t.device == weights[0].device and t.untyped_storage().data_ptr() in storages:
-            return _Refetch(storages.index(t.untyped_storage().data_ptr()), tuple(t.size()), t.stride(),
-                            t.storage_offset())
+            which = storages.index(t.untyped_storage().data_ptr())
+            return _Refetch(which, tuple(t.size()), t.stride(), t.storage_offset() - weights[which].storage_offset())
         return t
 
     def unpack(saved):
         if not isinstance(saved, _Refetch):
             return saved
         with torch.no_grad():  # the factors have not changed since the forward (the optimizer steps after)
-            weight = stream.fetch(index, -1)[saved.part].to(hidden_states.dtype)
+            weight = stream.fetch(index, -1, first)[saved.part].to(hidden_states.dtype)
             full = _with_lora(weight, factors[saved.part])
-        return full.as_strided(saved.size, saved.stride, saved.offset)
+        return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)

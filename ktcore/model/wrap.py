@@ -7,19 +7,18 @@ attention run unchanged and only the routed-expert math reaches the backend.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..errors import ConfigError
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
-from ..plugins import UnknownPluginError, get_registry
 from ..plugins.threads import apply_budget
 from ..specs import ArchSpec, import_object
 from . import host_lora
+from .arch import expert_modules, experts_pattern, find_arch
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
+from .auto import AutoLayer, AutoPoint, AutoWindow, auto_forward, make_auto
 from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
@@ -38,6 +37,9 @@ _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorc
 
 def ktcore_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The experts forward transformers calls for ``experts_implementation="ktcore"``."""
+    auto = self.__dict__.get("_ktcore_auto")
+    if auto is not None:  # auto: this call's split of the experts between the CPU and the stream
+        return auto_forward(self, *auto, hidden_states, top_k_index, top_k_weights)
     layer: Optional[ExpertLayer] = self.__dict__.get("_ktcore_layer")
     streamed = self.__dict__.get("_ktcore_stream")
     if streamed is not None and layer is not None:  # hybrid: the first experts on the CPU, the others streamed
@@ -73,39 +75,11 @@ class WrapInfo:
     on_gpu: tuple = ()  # experts module names kept on the model's device by kt_placement
     stream: Optional[ExpertStream] = None  # the experts placed gpu_stream or hybrid (stream.host), in model order
     streamed: tuple = ()  # experts module names with (some of) their experts in the stream
+    auto: Optional[object] = None  # the AutoPlacement of the auto (and re-balanced hybrid) layers
 
     @property
     def packed_bytes(self) -> int:
         return sum(getattr(layer.packed, "nbytes", 0) for layer in self.layers.values())
-
-
-def find_arch(hf_config, registry=None) -> ArchSpec:
-    registry = registry or get_registry()
-    archs = registry.specs("arch")
-    names = tuple(getattr(hf_config, "architectures", None) or ())
-    model_type = getattr(hf_config, "model_type", None)
-    for spec in archs.values():
-        if set(names) & set(spec.hf_architectures) or model_type in spec.model_types:
-            return spec
-    handled = sorted(a for spec in archs.values() for a in spec.hf_architectures)
-    raise UnknownPluginError(f"no ktcore architecture plugin handles {', '.join(names) or model_type!r}; handled: "
-                     f"{', '.join(handled) or '(none)'} (see `ktcore list-archs`)")
-
-
-def experts_pattern(arch: ArchSpec) -> re.Pattern:
-    return re.compile(re.escape(arch.experts_module).replace(re.escape("{layer}"), r"(\d+)") + "$")
-
-
-def expert_modules(model, arch: ArchSpec) -> list[tuple[int, str, torch.nn.Module]]:
-    """(layer index, module name, module) of every routed-experts module (dense MLP for dense archs)."""
-    pattern = experts_pattern(arch)
-    parts = PROJECTIONS if arch.dense_mlp else ("gate_up_proj", "down_proj")
-    found = []
-    for name, module in model.named_modules():
-        match = pattern.search(name)
-        if match and all(hasattr(module, p) for p in parts):
-            found.append((int(match.group(1)), name, module))
-    return sorted(found, key=lambda item: item[0])
 
 
 def activation_name(hf_config) -> str:
@@ -175,32 +149,38 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
                          f"{type(model).__name__}")
     for _, name, module in modules:
         check_experts_module(module, name, arch)
-    if kt.kt_expert_placement == "auto":
-        raise ConfigError("kt_config.kt_expert_placement: auto is not implemented yet (ktcore plan says what it "
-                          "would take); use cpu, gpu_stream or hybrid")
-    hybrid = kt.kt_expert_placement == "hybrid" or any(r.device == "hybrid" for r in parse_rules(kt.kt_placement,
-                                                                                              "kt_config"))
-    if hybrid and kt.kt_hybrid_cpu_share is None:
-        raise ConfigError("kt_config.kt_hybrid_cpu_share is required for hybrid placement: set it to the CPU share "
-                          "`ktcore plan` predicts (the share of each layer's experts the CPU computes)")
+    if kt.kt_rates:  # read now: a bad file is one line before any weight
+        from .cost import load_rates
+
+        load_rates(kt.kt_rates)
     backend = get_backend(kt.kt_backend, kt, need_backward=need_backward, need_lora=need_backward)
     return arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
 STREAM = "gpu_stream"  # plan_placement's value for a layer streamed to the model's device
-HYBRID = "hybrid"  # ... for a layer split between the default backend and the stream
+HYBRID = "hybrid"  # ... for a layer split between the default backend and the stream at kt_hybrid_cpu_share
 
 
-def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True) -> dict:
-    """experts module name -> the backend computing it, None for a layer kept on the model's device, STREAM or
-    HYBRID."""
+def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True, model=None,
+                   device=None) -> dict:
+    """experts module name -> the backend computing it, None for a layer kept on the model's device, STREAM,
+    HYBRID, or an AutoWindow for an auto layer and a hybrid one without kt_hybrid_cpu_share (re-balanced);
+    ``model`` (on any device, meta included) and the ``device`` it will compute on are needed for those."""
     from ..plugins.select import get_backend
 
     rules = parse_rules(kt.kt_placement, "kt_config")
     backends = {kt.kt_backend: default_backend}
-    plan = {}
+    plan, windows, auto = {}, {}, None
     for _, name, _ in modules:
         rule = place(name, rules, kt.kt_backend, kt.kt_expert_placement)
+        if rule.device == "auto" or (rule.device == "hybrid" and kt.kt_hybrid_cpu_share is None):
+            if rule.device not in windows:  # one AutoPlacement per model: its rates are measured once
+                auto = auto or make_auto(model, kt, default_backend, device)
+                experts = auto.shape.experts
+                windows[rule.device] = auto.window(0, experts, "kt_expert_placement auto") if rule.device == "auto" \
+                    else auto.window(1, experts - 1, "hybrid without kt_hybrid_cpu_share")
+            plan[name] = windows[rule.device]
+            continue
         if rule.device != "cpu":
             plan[name] = {"gpu": None, "gpu_stream": STREAM, "hybrid": HYBRID}[rule.device]
             continue
@@ -224,10 +204,11 @@ def install_resident(model, name: str, module, weights: ExpertWeights, arch: Arc
     module.down_proj = torch.nn.Parameter(weights.down.to(device, dtype), requires_grad=False)
 
 
-def install_streamed(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device) -> None:
-    """Keep a gpu_stream layer's experts (a hybrid layer's GPU share) in host memory in HF's layout (``finish``
-    hands them to the stream); the module gets placeholders of its whole shape, so PEFT's expert LoRA folds onto
-    it as on a CPU-backend layer."""
+def install_streamed(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device,
+                     base: int = 0) -> None:
+    """Keep a gpu_stream layer's experts (a hybrid layer's GPU share: experts ``base..``) in host memory in HF's
+    layout (``finish`` hands them to the stream); the module gets placeholders of its whole shape, so PEFT's expert
+    LoRA folds onto it as on a CPU-backend layer."""
     if arch.dense_mlp or getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
         raise ValueError(f"{name}: gpu_stream placement of dense MLPs or transposed / interleaved experts is not "
                          "supported yet")
@@ -235,19 +216,46 @@ def install_streamed(model, name: str, module, weights: ExpertWeights, arch: Arc
     down = weights.down.to(dtype).contiguous()
     module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
     module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
-    module.__dict__["_ktcore_host_experts"] = (gate_up, down)
+    module.__dict__["_ktcore_host_experts"] = (gate_up, down, base)
 
 
 def install_hybrid(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device, backend,
-                   budget, kt, act: str):
-    """Split a hybrid layer: the first experts packed into ``backend``, the others kept for the stream."""
-    n = cpu_experts(kt.kt_hybrid_cpu_share, weights.gate.shape[0], name)
+                   budget, kt, act: str, n: Optional[int] = None):
+    """Split a hybrid layer: the first ``n`` experts (kt_hybrid_cpu_share's) packed into ``backend``, the others
+    kept for the stream."""
+    n = cpu_experts(kt.kt_hybrid_cpu_share, weights.gate.shape[0], name) if n is None else n
     cpu = ExpertWeights(weights.gate[:n], weights.up[:n], weights.down[:n])
     layer = ExpertLayer(backend, backend.pack(cpu, activation=act), budget, kt.kt_cpu_activation, name)
     layer.overlap = HybridPoint()
     install_streamed(model, name, module, ExpertWeights(weights.gate[n:], weights.up[n:], weights.down[n:]), arch,
-                     dtype, device)
+                     dtype, device, base=n)
     module.__dict__.update(_ktcore_layer=layer, _ktcore_cpu_experts=n)
+    return layer
+
+
+def install_auto(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device, backend,
+                 budget, kt, act: str, window: AutoWindow):
+    """An auto layer: experts ``..hi`` packed into ``backend``, experts ``lo..`` kept for the stream, so a call can
+    put any ``lo..hi`` of them on the CPU (``model/auto.py``). A window of one split is a fixed placement."""
+    experts, lo, hi = weights.gate.shape[0], window.lo, window.hi
+    if lo == hi == experts:
+        return install_cpu(model, name, module, weights, arch, dtype, device, backend, budget, kt, act)
+    if lo == hi == 0:
+        return install_streamed(model, name, module, weights, arch, dtype, device)
+    if lo == hi:
+        return install_hybrid(model, name, module, weights, arch, dtype, device, backend, budget, kt, act, n=lo)
+    packed = backend.pack(ExpertWeights(weights.gate[:hi], weights.up[:hi], weights.down[:hi]), activation=act)
+    layer = ExpertLayer(backend, packed, budget, kt.kt_cpu_activation, name)
+    install_streamed(model, name, module, ExpertWeights(weights.gate[lo:], weights.up[lo:], weights.down[lo:]), arch,
+                     dtype, device, base=lo)
+    module.__dict__.update(_ktcore_layer=layer, _ktcore_window=window)
+    return layer
+
+
+def install_cpu(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device, backend, budget,
+                kt, act: str):
+    layer = ExpertLayer(backend, backend.pack(weights, activation=act), budget, kt.kt_cpu_activation, name)
+    install_layer(model, name, module, layer, arch, dtype, device)
     return layer
 
 
@@ -259,6 +267,26 @@ def _build_stream(model, kt, arch) -> Optional[ExpertStream]:
     for module in streamed:
         module.__dict__["_ktcore_stream"] = (stream, stream.add(*module.__dict__.pop("_ktcore_host_experts")))
     return stream
+
+
+def _build_auto(model, arch, stream, layers: dict):
+    """The AutoPlacement of the model's auto layers, each given its state and its overlap point (the cpu
+    placement's where the block has shared experts after the routed ones)."""
+    found = [(name, m) for _, name, m in expert_modules(model, arch) if "_ktcore_window" in m.__dict__]
+    if not found:
+        return None
+    auto = found[0][1].__dict__["_ktcore_window"].auto
+    auto.attach(stream)
+    pattern = experts_pattern(arch)
+    install_overlap(model, arch, {name: layers[name] for name, _ in found}, lambda n: int(pattern.search(n).group(1)))
+    for name, module in found:
+        window, (_, index) = module.__dict__.pop("_ktcore_window"), module.__dict__.pop("_ktcore_stream")
+        layer = layers[name]
+        layer.overlap = AutoPoint(layer.overlap)
+        state = AutoLayer(name, index, module.num_experts, window.lo, window.hi, layer)
+        auto.add(state)
+        module.__dict__["_ktcore_auto"] = (auto, state)
+    return auto
 
 
 def finish(model, kt, arch, backend, layers) -> None:
@@ -274,22 +302,24 @@ def finish(model, kt, arch, backend, layers) -> None:
                 if hasattr(config, "_experts_implementation_internal"):
                     config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
     stream = _build_stream(model, kt, arch)
-    streamed = tuple(name for _, name, m in expert_modules(model, arch) if "_ktcore_stream" in m.__dict__)
+    auto = _build_auto(model, arch, stream, layers)
+    streamed = tuple(name for _, name, m in expert_modules(model, arch)
+                     if "_ktcore_stream" in m.__dict__ or "_ktcore_auto" in m.__dict__)
     on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers and name not in streamed)
     pattern = experts_pattern(arch)
-    whole = {name: layer for name, layer in layers.items() if not isinstance(layer.overlap, HybridPoint)}
+    whole = {name: layer for name, layer in layers.items() if layer.overlap is None}
     install_overlap(model, arch, whole, lambda name: int(pattern.search(name).group(1)))
     if kt.kt_expert_lora_device == host_lora.HOST:
         host_lora.install(model, whole)
     apply_budget([layer.backend for layer in layers.values()], model.device)
-    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream, streamed)
+    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream, streamed, auto)
 
 
 def wrap_model(model, kt: KTConfig, need_backward: bool = True):
     """Move the routed experts of a loaded HF model into the CPU backend, in place; returns the model."""
     arch, backend, budget, modules = prepare(model, kt, need_backward)
     act = activation_name(model.config)
-    plan = plan_placement(modules, kt, backend, need_backward)
+    plan = plan_placement(modules, kt, backend, need_backward, model, model.device)
     layers = {}
     for _, name, module in modules:
         if is_wrapped(module):
@@ -304,8 +334,13 @@ def wrap_model(model, kt: KTConfig, need_backward: bool = True):
             layers[name] = install_hybrid(model, name, module, module_weights(module, arch), arch, dtype, device,
                                           backend, budget, kt, act)
             continue
-        packed = plan[name].pack(module_weights(module, arch), activation=act)
-        layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
-        install_layer(model, name, module, layers[name], arch, dtype, device)
+        if isinstance(plan[name], AutoWindow):
+            layer = install_auto(model, name, module, module_weights(module, arch), arch, dtype, device, backend,
+                                 budget, kt, act, plan[name])
+            if layer is not None:
+                layers[name] = layer
+            continue
+        layers[name] = install_cpu(model, name, module, module_weights(module, arch), arch, dtype, device, plan[name],
+                                   budget, kt, act)
     finish(model, kt, arch, backend, layers)
     return model

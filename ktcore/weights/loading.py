@@ -25,8 +25,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..experts import ExpertLayer
-from ..model.wrap import (HYBRID, STREAM, activation_name, finish, install_hybrid, install_layer, install_resident,
-                          install_streamed, plan_placement, prepare)
+from ..model.auto import AutoWindow
+from ..model.wrap import (HYBRID, STREAM, activation_name, finish, install_auto, install_hybrid, install_layer,
+                          install_resident, install_streamed, plan_placement, prepare)
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 from .model_path import record_base
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights, take_fp8_block
@@ -95,12 +96,13 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
         model.tie_weights()
 
     # 3. routed experts, one layer at a time, straight into the backend (or onto the device, kt_placement)
-    plan = plan_placement(modules, kt, backend, need_backward)
+    plan = plan_placement(modules, kt, backend, need_backward, model, device)
     layers = {}
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
-        packed = target.pack_source(sources[name], act) if target not in (None, STREAM, HYBRID) else None
+        packed = target.pack_source(sources[name], act) \
+            if target not in (None, STREAM, HYBRID) and not isinstance(target, AutoWindow) else None
         if packed is None:
             expert_weights = sources[name].read(dtype)
             if target is None:
@@ -110,6 +112,11 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
             elif target == HYBRID:
                 layers[name] = install_hybrid(model, name, module, expert_weights, arch, dtype, device, backend,
                                               budget, kt, act)
+            elif isinstance(target, AutoWindow):
+                layer = install_auto(model, name, module, expert_weights, arch, dtype, device, backend, budget, kt,
+                                     act, target)
+                if layer is not None:
+                    layers[name] = layer
             else:
                 packed = target.pack(expert_weights, activation=act)
             del expert_weights
