@@ -346,3 +346,22 @@ def test_auto_switches_on_cuda_and_learns_from_events(tmp_path):
     measured = [s.factors.by_bucket.get(10, {}) for s in auto.layers.values()]
     assert all("compute" in f and "copy" in f for f in measured), measured
     assert all(math.isfinite(v) and v > 0 for f in measured for v in f.values())
+
+
+@pytest.mark.parametrize("placement,kt", [("auto", {}), ("hybrid", {}), ("hybrid", {"kt_hybrid_cpu_share": 0.5})])
+def test_host_expert_lora_leaves_split_layers_with_the_model(tmp_path, placement, kt):
+    """kt_expert_lora_device: host keeps on the host only the LoRA of layers a CPU backend computes whole: an auto
+    or hybrid layer's GPU share computes with the same factors on the GPU, so they must stay on the model's device."""
+    from peft import get_peft_model
+
+    from ktcore.model.host_lora import expert_lora_factors
+    from ktcore.model.peft_expert_lora import peft_wrapping
+    from test_equivalence import lora_config
+
+    ours = auto_model(tiny_model_of("qwen3_moe"), tmp_path, placement, kt_expert_lora_device="host", **kt)
+    with peft_wrapping(ours):
+        peft_model = get_peft_model(ours, lora_config())
+    assert expert_lora_factors(peft_model) == []
+    whole = ktcore.wrap_model(tiny_model_of("qwen3_moe"), {"kt_backend": "torch", "kt_expert_lora_device": "host"})
+    with peft_wrapping(whole):
+        assert len(expert_lora_factors(get_peft_model(whole, lora_config()))) == 2 * 2 * 2  # layers x params x A,B
