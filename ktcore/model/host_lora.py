@@ -52,7 +52,7 @@ def wants_host(model) -> bool:
     return info is not None and info.config.kt_expert_lora_device == HOST
 
 
-def _on_cpu_backend(experts) -> bool:
+def on_cpu_backend(experts) -> bool:
     """A routed-experts module computed wholly by a CPU backend (not on the GPU, streamed or split)."""
     return "_ktcore_layer" in experts.__dict__ and "_ktcore_stream" not in experts.__dict__
 
@@ -63,7 +63,7 @@ def expert_lora_factors(module) -> list:
 
     found = []
     for wrapper in module.modules():
-        if isinstance(wrapper, ParamWrapper) and _on_cpu_backend(wrapper.get_base_layer()):
+        if isinstance(wrapper, ParamWrapper) and on_cpu_backend(wrapper.get_base_layer()):
             found += [*wrapper.lora_A.values(), *wrapper.lora_B.values()]
     return found
 

@@ -22,6 +22,7 @@ from . import host_lora
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
 from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .overlap import install_overlap
+from . import peft_expert_lora
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
@@ -279,6 +280,7 @@ def finish(model, kt, arch, backend, layers) -> None:
     pattern = experts_pattern(arch)
     whole = {name: layer for name, layer in layers.items() if not isinstance(layer.overlap, HybridPoint)}
     install_overlap(model, arch, whole, lambda name: int(pattern.search(name).group(1)))
+    peft_expert_lora.install(model, whole)  # their expert LoRA reaches the backend uncast
     if kt.kt_expert_lora_device == host_lora.HOST:
         host_lora.install(model, whole)
     apply_budget([layer.backend for layer in layers.values()], model.device)
