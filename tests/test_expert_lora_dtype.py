@@ -78,7 +78,8 @@ def test_backend_fp32_lora_gradients_reach_the_parameters_unrounded(backend):
     (the gradients through PEFT's bf16 casts were 1.5e-3..1.8e-3 off, every element a bf16 value)."""
     plain = _plain()
     bf16 = copy.deepcopy(plain).to(torch.bfloat16)
-    weights = {n: canonical_weights(m, m.gate_up_proj.detach(), m.down_proj.detach()) for n, m in _experts_modules(bf16)}
+    weights = {n: canonical_weights(m, m.gate_up_proj.detach(), m.down_proj.detach())
+               for n, m in _experts_modules(bf16)}
     model = _bf16_peft(backend, plain)
     seen = {}
     for name, module in _experts_modules(model):
@@ -182,7 +183,7 @@ def test_factors_are_the_parameters_in_peft_layout():
     ids = _ids(shape=(1, 8))
     model(input_ids=ids)  # the pre-hook installs the replacement before the first ParamWrapper runs
     original = peft_expert_lora._peft_get_delta_factors
-    assert original is not None
+    assert original  # PEFT 0.21 factor folding, replaced
     wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
     assert len(wrappers) == 4
     for wrapper in wrappers:

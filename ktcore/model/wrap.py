@@ -18,11 +18,10 @@ from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins import UnknownPluginError, get_registry
 from ..plugins.threads import apply_budget
 from ..specs import ArchSpec, import_object
-from . import host_lora
+from . import host_lora, peft_expert_lora
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
 from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .overlap import install_overlap
-from . import peft_expert_lora
 from .peft_expert_lora import expert_lora_of
 from .placement import parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
