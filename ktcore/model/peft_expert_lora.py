@@ -58,8 +58,8 @@ def _get_delta_factors(self, adapter_name):
     """``ParamWrapper.get_delta_factors``: PEFT's own, except on experts a CPU backend computes, where the factors are
     the views of the LoRA parameters in their own dtype (PEFT 0.21's layout, see the module docstring), uncast.
 
-    Why there too, with the model on a GPU (``kt_expert_lora_device: model``): the backend computes in fp32 in any
-    case; fp32 factors cross PCIe at twice the bytes of bf16 ones: for DeepSeek-V2-Lite at r=8, 4.2 M elements a
+    Why there too, with the model on a GPU (``kt_expert_lora_device: model``): the native backends compute the LoRA
+    terms in fp32 in any case; fp32 factors cross PCIe at twice the bytes of bf16 ones: for DeepSeek-V2-Lite at r=8, 4.2 M elements a
     layer, 8.4 MB more each way, 0.15 ms at the 55 GB/s pinned host-to-device rate measured on the H200 machine
     (``examples/rates/h200.json``), about 8 ms for the 26 layers' forward and backward against a step of over 3 s
     (0.3%). For that, the gradients reach the parameters unrounded (a bf16 gradient is off by up to 2^-9 of each
