@@ -120,9 +120,8 @@ class _CopiesOf(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in self.OPS:
             touched = [t for t in (*args, out) if isinstance(t, torch.Tensor)]
-            hits = [tuple(t.shape) for t in touched if tuple(t.shape) in self.shapes]
-            if hits:
-                self.seen.append((str(func), hits))
+            if any(tuple(t.shape) in self.shapes for t in touched):
+                self.seen.append((str(func), [(tuple(t.shape), t.dtype, t.device.type) for t in touched]))
         return out
 
 
@@ -172,7 +171,8 @@ def test_the_copy_probe_sees_peft_casting():
     with _CopiesOf(_factor_shapes(model)) as copies:
         ids = _ids()
         model(input_ids=ids, labels=ids).loss.backward()
-    assert any("_to_copy" in op for op, _ in copies.seen), copies.seen
+    assert any("_to_copy" in op and {dtype for _, dtype, _ in seen} == {torch.float32, torch.bfloat16}
+               for op, seen in copies.seen), copies.seen
 
 
 def test_factors_are_the_parameters_in_peft_layout():
@@ -260,3 +260,34 @@ def test_placeholder_still_refuses_a_second_fold():
         torch.baddbmm(folded, lhs, rhs)
     with pytest.raises(ExpertWeightsUnavailable, match="one active LoRA adapter"):
         torch.baddbmm(placeholder, lhs, rhs, beta=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("lora_device", ["model", "host"])
+@pytest.mark.parametrize("backend", _native_backends())
+def test_cuda_expert_lora_gradients_stay_fp32(tmp_path, backend, lora_device):
+    """The model on a GPU, in bf16: with the factors on the GPU (``model``: staged to the host and back in fp32, the
+    choice ``_get_delta_factors`` documents) or in host memory, the expert-LoRA gradients that reach the fp32
+    parameters are the backend's fp32 ones, not bf16 values, and no factor is cast on the way."""
+    from ktcore.model.peft_expert_lora import peft_wrapping
+
+    _plain().save_pretrained(tmp_path)
+    base = ktcore.load_model(tmp_path, {"kt_backend": backend, "kt_expert_lora_device": lora_device}, device="cuda",
+                             dtype=torch.bfloat16, progress=False)
+    torch.manual_seed(7)
+    with peft_wrapping(base):
+        model = get_peft_model(base, _lora_config())
+    shapes = _factor_shapes(model)
+    ids = _ids().cuda()
+    with _CopiesOf(shapes) as copies:
+        model(input_ids=ids, labels=ids).loss.backward()
+    casts = [(op, seen) for op, seen in copies.seen if "_to_copy" in op and len({dtype for _, dtype, _ in seen}) > 1]
+    # the staging's device copies keep the dtype; CUDA backward runs on autograd's device thread, which this
+    # thread-local probe does not see: there the gradients' values below are the check
+    assert casts == []
+    grads = [p.grad for n, p in model.named_parameters() if "experts" in n and p.requires_grad]
+    assert len(grads) == 8
+    for g in grads:
+        assert g.dtype == torch.float32 and g.norm() > 0
+        assert (g == g.bfloat16().float()).float().mean() < 0.05
