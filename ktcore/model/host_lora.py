@@ -52,7 +52,7 @@ def wants_host(model) -> bool:
     return info is not None and info.config.kt_expert_lora_device == HOST
 
 
-def _on_cpu_backend(experts) -> bool:
+def on_cpu_backend(experts) -> bool:
     """A routed-experts module computed wholly by a CPU backend (not on the GPU, streamed or split)."""
     marks = experts.__dict__  # what wrap.py installed: a split layer (hybrid, auto) also computes on the GPU
     return "_ktcore_layer" in marks and not any(k in marks for k in ("_ktcore_stream", "_ktcore_auto",
@@ -65,7 +65,7 @@ def expert_lora_factors(module) -> list:
 
     found = []
     for wrapper in module.modules():
-        if isinstance(wrapper, ParamWrapper) and _on_cpu_backend(wrapper.get_base_layer()):
+        if isinstance(wrapper, ParamWrapper) and on_cpu_backend(wrapper.get_base_layer()):
             found += [*wrapper.lora_A.values(), *wrapper.lora_B.values()]
     return found
 

@@ -4,11 +4,24 @@ PEFT wraps each targeted expert parameter in a ``ParamWrapper`` and, while it ru
 ``W + scaling * lhs @ rhs``. ktcore's placeholders turn that into a record of the factors
 (``ktcore.model.placeholder``); this module reads them back as an ``ExpertLoRA`` for the backend, and builds the
 PEFT ``LoraConfig`` for a training YAML.
+
+PEFT 0.21's mapping (``ParamWrapper.update_layer`` / ``get_delta_factors``), for a parameter of E experts and rank r:
+``lora_A.weight`` is ``[E*r, in]`` and ``lora_B.weight`` ``[out, r*E]`` (in/out of the parameter: ``[E, out, in]``,
+or ``[E, in, out]`` where the experts module ``is_transposed``); ``A = lora_A.weight.reshape(E, r, in)`` (expert-major
+rows) and ``B = lora_B.weight.reshape(out, r, E).permute(2, 0, 1)`` (``[E, out, r]``: expert e's column k is column
+``k*E + e``, a strided view); ``(lhs, rhs)`` is ``(B, A)``, or ``(A^T, B^T)`` when transposed; ``scaling`` is
+``lora_alpha / r`` (``/ sqrt(r)`` with rslora); and then both are cast ``.to(param.dtype)``: with PEFT's fp32
+factors on a bf16 model, a cast of each factor in every forward (and every checkpointed recompute) and one of its
+gradient in backward. For experts a CPU backend computes (``host_lora.on_cpu_backend``), ``own_dtype_factors``
+drops that cast: the placeholder records the views of the parameters themselves, the backend reads them in their
+own dtype (fp32 or bf16, by address and strides) and writes their gradients in that dtype straight into autograd:
+the backend's fp32 LoRA gradients reach the fp32 parameters unrounded, and no cast runs, forward or backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from typing import Optional
 
@@ -36,6 +49,62 @@ def peft_wrapping(model=None):
         yield
     if model is not None and host_lora.wants_host(model):
         host_lora.keep_on_host(model)
+
+
+_peft_get_delta_factors = None  # PEFT's own ParamWrapper.get_delta_factors, once own_dtype_factors replaced it
+
+
+def _get_delta_factors(self, adapter_name):
+    """``ParamWrapper.get_delta_factors``: PEFT's own, except on experts a CPU backend computes, where the factors are
+    the views of the LoRA parameters in their own dtype (PEFT 0.21's layout, see the module docstring), uncast.
+
+    Why there too, with the model on a GPU (``kt_expert_lora_device: model``): the native backends compute the LoRA
+    terms in fp32 in any case; fp32 factors cross PCIe at twice the bytes of bf16 ones: for DeepSeek-V2-Lite at r=8, 4.2 M elements a
+    layer, 8.4 MB more each way, 0.15 ms at the 55 GB/s pinned host-to-device rate measured on the H200 machine
+    (``examples/rates/h200.json``), about 8 ms for the 26 layers' forward and backward against a step of over 3 s
+    (0.3%). For that, the gradients reach the parameters unrounded (a bf16 gradient is off by up to 2^-9 of each
+    element), the forward uses the factors the optimizer holds, and the same adapter trains to the same numbers
+    with ``kt_expert_lora_device: model`` or ``host``, on a GPU or a CPU model."""
+    base = self.get_base_layer()
+    if not host_lora.on_cpu_backend(base) or not is_placeholder(getattr(base, self.parameter_name, None)):
+        return _peft_get_delta_factors(self, adapter_name)
+    a = self.lora_A[adapter_name].weight
+    b = self.lora_B[adapter_name].weight
+    a = a.reshape(self.num_experts, -1, a.shape[-1])  # [E, r, in]
+    b = b.reshape(b.shape[0], -1, self.num_experts).permute(2, 0, 1)  # [E, out, r]
+    if not self._did_swap_in_out_features:  # the parameter is [E, in, out] (is_transposed)
+        return a.transpose(-2, -1), b.transpose(-2, -1), self.scaling[adapter_name]
+    return b, a, self.scaling[adapter_name]
+
+
+def own_dtype_factors() -> None:
+    """Make PEFT's ``ParamWrapper`` hand CPU-backend experts their LoRA factors uncast (``_get_delta_factors``);
+    once per process, and only where PEFT is imported already (a model without adapters never imports it). Every
+    other ParamWrapper (another model, experts on the GPU, streamed or split) keeps PEFT's own method."""
+    global _peft_get_delta_factors
+    if _peft_get_delta_factors is not None or "peft" not in sys.modules:
+        return
+    from peft.tuners.lora.layer import ParamWrapper
+
+    # before 0.21 PEFT has no factor folding (it materialises the delta, which the placeholder refuses): nothing
+    # to replace; the tests compare the replacement with the installed PEFT's own method, so a drift shows there
+    _peft_get_delta_factors = getattr(ParamWrapper, "get_delta_factors", False)
+    if _peft_get_delta_factors:
+        ParamWrapper.get_delta_factors = _get_delta_factors
+
+
+def _before_block(block, args) -> None:
+    own_dtype_factors()
+
+
+def install(model, experts_names) -> None:
+    """A forward pre-hook on the MoE block of each of ``experts_names`` (experts a CPU backend computes) that calls
+    ``own_dtype_factors`` before PEFT's ParamWrapper (inside the block) builds the factors: PEFT may be imported, and
+    the adapter made, after the model was wrapped (a user's own ``get_peft_model``). After the first call the hook is
+    a flag test."""
+    own_dtype_factors()
+    for name in {name.rpartition(".")[0] for name in experts_names}:
+        model.get_submodule(name).register_forward_pre_hook(_before_block)
 
 
 def _factors(module, name: str):

@@ -6,7 +6,9 @@ ecosystem keeps working on them: parameter counts, ``model.to(...)``, PEFT's ``t
 
 PEFT applies expert LoRA by parametrizing the parameter as ``baddbmm(W, lhs, rhs, alpha=scaling)``. On a
 placeholder that returns another placeholder carrying the factors (no ``[E, out, in]`` delta is ever
-formed); ktcore's experts forward reads them and hands them to the backend.
+formed); ktcore's experts forward reads them and hands them to the backend. On experts a CPU backend computes the
+factors are views of PEFT's own (fp32) parameters, not casts to the placeholder's dtype
+(``ktcore.model.peft_expert_lora._get_delta_factors``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins.threads import apply_budget
 from ..specs import ArchSpec, import_object
-from . import host_lora
+from . import host_lora, peft_expert_lora
 from .arch import expert_modules, experts_pattern, find_arch
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
 from .auto import AutoLayer, AutoPoint, AutoWindow, auto_forward, make_auto
@@ -309,6 +309,7 @@ def finish(model, kt, arch, backend, layers) -> None:
     pattern = experts_pattern(arch)
     whole = {name: layer for name, layer in layers.items() if layer.overlap is None}
     install_overlap(model, arch, whole, lambda name: int(pattern.search(name).group(1)))
+    peft_expert_lora.install(model, whole)  # their expert LoRA reaches the backend uncast
     if kt.kt_expert_lora_device == host_lora.HOST:
         host_lora.install(model, whole)
     apply_budget([layer.backend for layer in layers.values()], model.device)
