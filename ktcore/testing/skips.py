@@ -1,7 +1,8 @@
 """A pytest plugin that fails a run whose skips are not all for the machine's hardware.
 
 The README promises that ``bash scripts/test.sh`` runs the whole suite: on a plain clone the only skips are for
-hardware this machine lacks (a CUDA GPU, AMX, AVX-512 VNNI, transparent huge pages). A skip for anything else
+hardware this machine lacks (a CUDA GPU, AMX, AVX-512 VNNI, transparent huge pages), or Node.js for the optional
+llama.cpp tests. A skip for anything else
 means a test quietly stopped running: a package ``scripts/setup.sh`` no longer installs (an ``importorskip``),
 the LLaMA-Factory environment not built, data that only exists beside CI. ``scripts/test.sh`` sets
 ``KTCORE_HARDWARE_SKIPS_ONLY=1``; then every other skip fails the run, listed one line each (test, reason).
@@ -24,6 +25,9 @@ ENV = "KTCORE_HARDWARE_SKIPS_ONLY"
 # reason, so every hardware skip must say what it needs (they do: "needs a CUDA GPU", "cannot use AMX", ...).
 HARDWARE = re.compile(r"\bCUDA\b|\bGPU\b|\bAMX\b|AVX-?512|\bVNNI\b|transparent huge pages|amx_tile|amx_int8 "
                       r"cannot|amx_bf16 cannot", re.IGNORECASE)
+# Node.js is the one machine-level tool a test needs that no Python setup can bring (the optional llama.cpp tests,
+# tests/llamacpp); once node is there, node-llama-cpp missing is setup's fault and not allowed.
+NO_NODE = re.compile(r"^node is not installed")
 LLAMAFACTORY_ENV = re.compile(r"\.venv-llamafactory|llamafactory is not importable")
 
 _offenders_key = pytest.StashKey[list]()
@@ -31,7 +35,8 @@ _offenders_key = pytest.StashKey[list]()
 
 def allowed(reason: str, llamafactory_opted_out: bool = False) -> bool:
     """Whether a skip with this reason is one the README allows on a plain clone."""
-    return bool(HARDWARE.search(reason) or (llamafactory_opted_out and LLAMAFACTORY_ENV.search(reason)))
+    return bool(HARDWARE.search(reason) or NO_NODE.search(reason) or
+                (llamafactory_opted_out and LLAMAFACTORY_ENV.search(reason)))
 
 
 def _reason(report) -> str:
