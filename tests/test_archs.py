@@ -284,3 +284,22 @@ def test_lora_lands_where_lora_target_says_at_rank_r(family):
     assert linears == set(modules)
     assert {m.parameter_name for m in adapted if hasattr(m, "parameter_name")} == \
         {p.rsplit(".", 1)[-1] for p in params}
+
+
+def test_one_config_object_loads_twice(tmp_path):
+    """Issue 21 point 9 in this environment too (the LLaMA-Factory suite checks transformers 5.6): a frontend may
+    build twice from one config object; the first load must leave it as it was (transformers 5.6 once failed the
+    second with `experts_implementation="ktcore" is not supported`)."""
+    from transformers import AutoConfig
+
+    from ktcore.testing.tiny import save_tiny_chat_moe
+
+    path = save_tiny_chat_moe(tmp_path / "model")
+    config = AutoConfig.from_pretrained(path)
+    before = dict(vars(config))  # with the internal attributes (_experts_implementation_internal) to_dict leaves out
+    first = ktcore.load_model(path, TORCH, device="cpu", progress=False, hf_config=config)
+    second = ktcore.load_model(path, TORCH, device="cpu", progress=False, hf_config=config)
+    assert vars(config) == before
+    ids = torch.arange(8)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(first(ids).logits, second(ids).logits, rtol=0, atol=0)
