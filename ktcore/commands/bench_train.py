@@ -563,7 +563,6 @@ def run_transformers(settings: Settings, model_dir: Path, offload: bool) -> Iter
     from transformers import AutoModelForCausalLM
 
     from ..model.peft_expert_lora import peft_wrapping
-
     from ..model.wrap import find_arch
 
     device = settings.device
