@@ -175,10 +175,10 @@ def peft_renamed(model, modules: list[str]) -> list[str]:
     PEFT (0.21) converts a LoraConfig written for transformers 4 before it wraps a model of an MoE family whose
     experts transformers 5 fused (Mixtral, Qwen2-MoE and the families mapped onto them: DeepSeek-V2/V3,
     Qwen3-MoE, ...): ``gate_proj``/``up_proj``/``down_proj`` in ``target_modules`` become the routed experts'
-    ``gate_up_proj``/``down_proj`` parameters, with a rank pattern of 2r on ``gate_up_proj``. On such a model a
-    dense MLP's or a shared expert's ``gate_proj`` (which is still a Linear) then silently gets no LoRA while the
-    experts get a LoRA of another rank than asked, and plain PEFT cannot load the adapter that trained. PEFT's own
-    conversion is run on a trial config to find those names."""
+    ``gate_up_proj``/``down_proj`` parameters (``gate_proj`` and ``up_proj`` together: a rank pattern of 2r on
+    ``gate_up_proj``). On such a model a dense MLP's or a shared expert's ``gate_proj`` (still a Linear) then
+    silently gets no LoRA, and the experts a LoRA of another rank than asked. PEFT's own conversion is run on a
+    trial config to find those names."""
     if not modules:
         return []
     try:

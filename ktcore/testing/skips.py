@@ -2,9 +2,8 @@
 
 The README promises that ``bash scripts/test.sh`` runs the whole suite: on a plain clone the only skips are for
 hardware this machine lacks (a CUDA GPU, AMX, AVX-512 VNNI, transparent huge pages), or Node.js for the optional
-llama.cpp tests. A skip for anything else
-means a test quietly stopped running: a package ``scripts/setup.sh`` no longer installs (an ``importorskip``),
-the LLaMA-Factory environment not built, data that only exists beside CI. ``scripts/test.sh`` sets
+llama.cpp tests. A skip for anything else means a test quietly stopped running: a package ``scripts/setup.sh`` no
+longer installs (an ``importorskip``), the LLaMA-Factory environment not built, data that only exists beside CI. ``scripts/test.sh`` sets
 ``KTCORE_HARDWARE_SKIPS_ONLY=1``; then every other skip fails the run, listed one line each (test, reason).
 With ``KTCORE_LLAMAFACTORY=0`` (the documented opt-out of building ``.venv-llamafactory``) the skips naming that
 environment are allowed too.
