@@ -28,8 +28,9 @@ TESTS = textwrap.dedent('''
 ''')
 
 
-def session(tmp_path, other: str, **env):
-    (tmp_path / "test_sample.py").write_text(f"OTHER = {other!r}\n" + TESTS)
+def session(tmp_path, other: str, source: str = TESTS, **env):
+    """pytest on test_sample.py (``source``, with OTHER the reason of its last skip) in a fresh process."""
+    (tmp_path / "test_sample.py").write_text(f"OTHER = {other!r}\n" + source)
     environ = {k: v for k, v in os.environ.items() if k not in ("KTCORE_HARDWARE_SKIPS_ONLY", "KTCORE_LLAMAFACTORY")}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                            "ktcore.testing.skips", "test_sample.py"], cwd=tmp_path, capture_output=True, text=True,
@@ -56,13 +57,10 @@ def test_the_check_is_off_outside_scripts_test_sh(tmp_path):
 
 
 def test_a_module_level_importorskip_is_caught(tmp_path):
-    (tmp_path / "test_module.py").write_text('import pytest\npytest.importorskip("no_such_module_here")\n')
-    environ = {k: v for k, v in os.environ.items() if k != "KTCORE_LLAMAFACTORY"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                           "ktcore.testing.skips", "test_module.py"], cwd=tmp_path, capture_output=True, text=True,
-                          env={**environ, "KTCORE_HARDWARE_SKIPS_ONLY": "1"}, timeout=120)
+    proc = session(tmp_path, "", 'import pytest\npytest.importorskip("no_such_module_here")\n',
+                   KTCORE_HARDWARE_SKIPS_ONLY="1")
     assert proc.returncode == 1, proc.stdout
-    assert "test_module.py: could not import 'no_such_module_here'" in proc.stdout
+    assert "test_sample.py: could not import 'no_such_module_here'" in proc.stdout
 
 
 @pytest.mark.parametrize("opted_out", [False, True])
