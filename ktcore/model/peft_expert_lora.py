@@ -145,9 +145,10 @@ def lora_targets(model, arch, lora_target: str) -> tuple[list[str], list[str]]:
     experts_suffix = arch.experts_module.split("{layer}.", 1)[-1]
     expert_params = [f"{experts_suffix}.{p}" for p in arch.expert_lora_parameters]
     wanted = [t.strip() for t in lora_target.split(",") if t.strip()]
-    if wanted == ["all"]:
-        return [t for t in arch.default_lora_targets if t in present], expert_params
     modules, params = [], []
+    if wanted == ["all"]:
+        modules, params = [t for t in arch.default_lora_targets if t in present], expert_params
+        wanted = []
     for target in wanted:
         if target == "experts":
             params += expert_params
@@ -159,7 +160,35 @@ def lora_targets(model, arch, lora_target: str) -> tuple[list[str], list[str]]:
             choices = sorted(present | {"all", "experts"})
             raise ValueError(f"lora_target {target!r} matches no linear layer of this model; choose from "
                              f"{', '.join(choices)}")
+    renamed = peft_renamed(model, modules)
+    if renamed:
+        raise ValueError(f"lora_target {', '.join(renamed)}: on a {model.config.model_type} model PEFT reads "
+                         f"{'these' if len(renamed) > 1 else 'this'} as the routed experts' transformers-4 "
+                         "name(s) and would put the LoRA on the experts' gate_up_proj/down_proj, not on the Linear "
+                         "layers of that name; leave it out (`experts` targets the routed experts)")
     return modules, params
+
+
+def peft_renamed(model, modules: list[str]) -> list[str]:
+    """The names in ``modules`` that PEFT would not put LoRA on as named.
+
+    PEFT (0.21) converts a LoraConfig written for transformers 4 before it wraps a model of an MoE family whose
+    experts transformers 5 fused (Mixtral, Qwen2-MoE and the families mapped onto them: DeepSeek-V2/V3,
+    Qwen3-MoE, ...): ``gate_proj``/``up_proj``/``down_proj`` in ``target_modules`` become the routed experts'
+    ``gate_up_proj``/``down_proj`` parameters (``gate_proj`` and ``up_proj`` together: a rank pattern of 2r on
+    ``gate_up_proj``). On such a model a dense MLP's or a shared expert's ``gate_proj`` (still a Linear) then
+    silently gets no LoRA, and the experts a LoRA of another rank than asked. PEFT's own conversion is run on a
+    trial config to find those names."""
+    if not modules:
+        return []
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a PEFT without the conversion keeps every name
+        return []
+    trial = LoraConfig(target_modules=list(modules))
+    convert_peft_config_for_transformers(trial, model=model, conversions=None)
+    return [m for m in modules if m not in (trial.target_modules or ())]
 
 
 def lora_config_for(model, arch, cfg):

@@ -4,6 +4,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+# under scripts/test.sh a skip for anything but missing hardware fails the run (ktcore/testing/skips.py)
+from ktcore.testing.skips import pytest_sessionfinish, pytest_terminal_summary  # noqa: F401
+
 try:
     import llamafactory  # noqa: F401
 
