@@ -268,6 +268,7 @@ def test_a_linear_that_peft_would_rename_goes_by_its_weight(family, renamed):
     modules, params = lora_targets(model, arch, "o_proj,gate_proj,up_proj,experts")
     if renamed:
         assert (modules, params[-2:]) == (["o_proj"], ["gate_proj.weight", "up_proj.weight"])
+        assert lora_targets(model, arch, "gate_proj") == ([], ["gate_proj.weight"])  # without up_proj too
     else:
         assert modules == ["o_proj", "gate_proj", "up_proj"]
     config = LoraConfig(target_modules=modules, target_parameters=params)

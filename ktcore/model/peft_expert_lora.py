@@ -139,8 +139,9 @@ def lora_targets(model, arch, lora_target: str) -> tuple[list[str], list[str]]:
     """(target_modules, target_parameters) for ``lora_target`` ('all', or a comma list of names).
 
     'all' means the architecture's linear layers plus the routed experts; 'experts' in a list means the
-    routed experts' gate_up_proj and down_proj; any other name every module of that name. A Linear name PEFT would move onto the routed experts
-    (``peft_renamed``) is given to PEFT as the parameter ``<name>.weight`` instead: PEFT's transformers-4
+    routed experts' gate_up_proj and down_proj; any other name every module of that name. A Linear name PEFT
+    would move onto the routed experts (``peft_renamed``) is given to PEFT as the parameter ``<name>.weight``
+    instead: PEFT's transformers-4
     conversion rewrites every form of ``target_modules`` that reaches such a Linear (the bare name, a full module
     path, a regex string: it resolves a regex to the leaf names it matches first) but leaves
     ``target_parameters`` alone, and a ParamWrapper on a Linear's 2-D weight is a plain rank-r LoRA
@@ -191,9 +192,17 @@ def peft_renamed(model, modules: list[str]) -> list[str]:
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # a PEFT without the conversion keeps every name
         return []
-    trial = LoraConfig(target_modules=list(modules))
-    convert_peft_config_for_transformers(trial, model=model, conversions=None)
-    return [m for m in modules if m not in (trial.target_modules or ())]
+    renamed = []
+    for name in modules:  # one at a time: gate_proj without up_proj makes the conversion raise (fused into one)
+        trial = LoraConfig(target_modules=[name])
+        try:
+            convert_peft_config_for_transformers(trial, model=model, conversions=None)
+        except ValueError:
+            renamed.append(name)
+            continue
+        if name not in (trial.target_modules or ()):
+            renamed.append(name)
+    return renamed
 
 
 def lora_config_for(model, arch, cfg):
