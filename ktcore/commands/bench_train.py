@@ -231,7 +231,10 @@ def lora_config(model, rank: int, experts: bool = True):
     # the dense and shared-expert MLP names PEFT would move onto the routed experts (DeepSeek, Qwen3-MoE) reach
     # their Linears as target_parameters (lora_targets)
     target = ",".join(names + (["experts"] if experts else []))
-    return lora_config_for(model, arch, TrainConfig(lora_rank=rank, lora_target=target))
+    config = lora_config_for(model, arch, TrainConfig(lora_rank=rank, lora_target=target))
+    if not experts:  # `down_proj` names the routed experts' parameter too: keep only the Linears' weights
+        config.target_parameters = [p for p in config.target_parameters or () if p.endswith(".weight")] or None
+    return config
 
 
 def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None,
