@@ -277,7 +277,7 @@ def test_a_linear_that_peft_would_rename_goes_by_its_weight(family, renamed):
 
 
 def _adapted(peft_model):
-    """{module path: (kind, r)} of every LoRA PEFT made: kind is the Linear, or the experts' parameter name."""
+    """{path: r} of every LoRA PEFT made: a Linear's module path, or an experts module's parameter path."""
     from peft.tuners.lora.layer import ParamWrapper
 
     out = {}
@@ -322,7 +322,7 @@ def test_lora_lands_where_lora_target_says_at_rank_r(family):
 def test_dense_and_shared_mlp_lora_reloads_in_plain_peft(family, tmp_path):
     """An adapter with LoRA on the dense and shared-expert MLP Linears (target_parameters ``gate_proj.weight``,
     ...) saves as plain Linear LoRA tensors, reloads in plain ``PeftModel.from_pretrained`` to identical logits,
-    and computes what the same factors do on those Linears as target_modules on a PEFT that keeps the names."""
+    and merges into each Linear as ``W + (alpha / r) * B @ A``: a plain rank-r Linear LoRA."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
