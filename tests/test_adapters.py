@@ -753,3 +753,55 @@ def test_gguf_record_verifies_and_partial_file_is_one_line(ktcore_gguf, tmp_path
     shutil.copy(ktcore_gguf, _flipped)
     _flip_byte(_flipped, 9)
     _verify_refuses(_flipped, "differs")
+
+
+@pytest.fixture(scope="module")
+def dense_mlp_peft(tmp_path_factory):
+    """A tiny DeepSeek-V2 (layer 0 a dense MLP, layers 1-2 MoE with shared experts) base dir and a PEFT adapter
+    with LoRA on every Linear ktcore's `lora_target` names, the dense and shared-expert gate/up/down_proj included
+    (target_parameters `gate_proj.weight`, ...: PEFT would move those names onto the routed experts), and on the
+    routed experts: random non-zero factors, as trained ones would be."""
+    from archs import tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    from ktcore.model.peft_expert_lora import lora_targets
+    from ktcore.model.wrap import find_arch
+
+    root = tmp_path_factory.mktemp("dense_mlp")
+    base = tiny_model("deepseek_v2")
+    base.save_pretrained(root / "base")
+    modules, params = lora_targets(base, find_arch(base.config), "q_proj,o_proj,gate_proj,up_proj,down_proj,experts")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=modules, target_parameters=params,
+                                            init_lora_weights=False))
+    model.peft_config["default"].base_model_name_or_path = str(root / "base")
+    model.save_pretrained(root / "peft")
+    return root
+
+
+def test_dense_and_shared_mlp_lora_converts_exactly(dense_mlp_peft, tmp_path):
+    """The dense and shared-expert MLP LoRA goes through every format bit-exactly (fused_expert's non-expert
+    half, GGUF's blk.L.ffn_{gate,up,down}.weight and ffn_*_shexp.weight pairs) and back to a PEFT directory that
+    plain PEFT loads to the same logits; ktcore computes them too."""
+    import gguf
+
+    root = dense_mlp_peft
+    state = load_file(root / "peft" / PEFT_WEIGHTS)
+    for key in ("model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.down_proj"):
+        assert state[f"base_model.model.{key}.lora_A.weight"].shape[0] == 4
+    ids = _ids(4)
+    ref = plain_logits(root / "base", root / "peft", ids)
+    assert relative_error(ref, plain_logits(root / "base", None, ids)) > 1e-3
+    core.convert(root / "peft", tmp_path / "fe", "fused_expert")
+    core.convert(tmp_path / "fe", tmp_path / "from_fe", "peft")
+    core.convert(root / "peft", tmp_path / "adapter.gguf", "gguf")
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "adapter.gguf")).tensors}
+    assert {"blk.0.ffn_gate.weight.lora_a", "blk.0.ffn_down.weight.lora_b", "blk.1.ffn_gate_shexp.weight.lora_a",
+            "blk.2.ffn_down_shexp.weight.lora_b", "blk.1.ffn_gate_exps.weight.lora_a"} <= names
+    core.convert(tmp_path / "adapter.gguf", tmp_path / "from_gguf", "peft")
+    for back in ("from_fe", "from_gguf"):
+        assert_same_adapter_files(root / "peft", tmp_path / back)
+        assert relative_error(plain_logits(root / "base", tmp_path / back, ids), ref) <= 1e-6, back
+    model = ktcore.load_model(root / "base", {"kt_backend": "torch"}, progress=False)
+    model = core.load_adapter_into(model, tmp_path / "fe", base=root / "base").eval()
+    with torch.no_grad():
+        assert relative_error(model(ids).logits, ref) <= 1e-5

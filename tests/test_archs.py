@@ -246,44 +246,114 @@ def test_load_model_honours_placement(tmp_path):
 
 
 
-@pytest.mark.parametrize("family, refused", [("deepseek_v2", True), ("deepseek_v3", True), ("qwen3_moe", True),
+@pytest.mark.parametrize("family, renamed", [("deepseek_v2", True), ("deepseek_v3", True), ("qwen3_moe", True),
                                              ("qwen2_moe", False), ("llama", False)])
-def test_a_linear_that_peft_would_rename_is_refused(family, refused):
+def test_a_linear_that_peft_would_rename_goes_by_its_weight(family, renamed):
     """PEFT 0.21 rewrites ``gate_proj``/``up_proj``/``down_proj`` in target_modules into the routed experts'
     parameters for the families it maps onto Qwen2-MoE's transformers-4 layout (DeepSeek-V2/V3, Qwen3-MoE; not
-    Qwen2-MoE itself, nor dense Llama): a shared expert's or dense layer's Linear of that name got no LoRA and the
-    experts' gate_up_proj got rank 2r, silently. ktcore refuses such names in one line; where PEFT keeps them,
-    they stay accepted."""
+    Qwen2-MoE itself, nor dense Llama), in every form: the bare name, a full module path, a regex string. ktcore
+    hands those names to PEFT as ``<name>.weight`` target_parameters, which its conversion leaves alone; where
+    PEFT keeps the names, they stay target_modules."""
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
     model = tiny_model(family)
     arch = find_arch(model.config)
-    if refused:
-        with pytest.raises(ValueError, match=r"^lora_target gate_proj, up_proj: on a .* model PEFT reads these as "
-                                             r"the routed experts' transformers-4 name"):
-            lora_targets(model, arch, "o_proj,gate_proj,up_proj,experts")
+    mlp = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith("gate_proj")]
+    forms = [["gate_proj", "up_proj"], [p for n in mlp for p in (n, n.removesuffix("gate_proj") + "up_proj")],
+             r".*\.(gate|up)_proj"]
+    for form in forms:  # what the conversion does with each form of target_modules
+        config = LoraConfig(target_modules=form)
+        convert_peft_config_for_transformers(config, model=model, conversions=None)
+        assert ("gate_up_proj" in (config.target_parameters or ())) == renamed, form  # moved onto the experts
+    modules, params = lora_targets(model, arch, "o_proj,gate_proj,up_proj,experts")
+    if renamed:
+        assert (modules, params[-2:]) == (["o_proj"], ["gate_proj.weight", "up_proj.weight"])
+        assert lora_targets(model, arch, "gate_proj") == ([], ["gate_proj.weight"])  # without up_proj too
     else:
-        assert lora_targets(model, arch, "o_proj,gate_proj,up_proj")[0] == ["o_proj", "gate_proj", "up_proj"]
+        assert modules == ["o_proj", "gate_proj", "up_proj"]
+    config = LoraConfig(target_modules=modules, target_parameters=params)
+    convert_peft_config_for_transformers(config, model=model, conversions=None)
+    assert (set(config.target_modules), set(config.target_parameters)) == (set(modules), set(params))
+
+
+def _adapted(peft_model):
+    """{path: r} of every LoRA PEFT made: a Linear's module path, or an experts module's parameter path."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    out = {}
+    for name, m in peft_model.named_modules():
+        if not (hasattr(m, "lora_A") and "default" in m.lora_A):
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if isinstance(m, ParamWrapper) and m.parameter_name != "weight":
+            out[f"{name}.{m.parameter_name}"] = m.r["default"]
+        else:
+            assert isinstance(m.get_base_layer(), torch.nn.Linear)
+            out[name] = m.r["default"]
+    return out
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_lora_lands_where_lora_target_says_at_rank_r(family):
-    """Every Linear name ``lora_targets`` accepts, with the routed experts, gets a LoRA of rank r from PEFT on
-    exactly the modules of that name: what PEFT's transformers-4 conversion changed behind ktcore's back."""
-    from ktcore.model.peft_expert_lora import peft_renamed
+    """Every Linear name (attention, dense MLPs, shared experts) with the routed experts gets a LoRA of rank r
+    from PEFT on exactly the modules of that name, and the experts on exactly their two parameters: what PEFT's
+    transformers-4 conversion would change behind ktcore's back (the dense and shared-expert gate_proj/up_proj/
+    down_proj moved onto the experts at rank 2r)."""
+    model = tiny_model(family)
+    arch = find_arch(model.config)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+    names = sorted({n.rsplit(".", 1)[-1] for n in linears})
+    experts = {arch.experts_module.format(layer=i) + "." + p for i in MOE_LAYERS[family]
+               for p in arch.expert_lora_parameters}
+    cases = [(",".join(names), linears | {e for e in experts if e.endswith(".down_proj") and "down_proj" in names})]
+    if experts:  # dense Llama has none
+        cases += [(",".join(names + ["experts"]), linears | experts), ("experts", experts),
+                  ("gate_up_proj", {e for e in experts if e.endswith(".gate_up_proj")})]
+    for target, want in cases:
+        modules, params = lora_targets(model, arch, target)
+        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=modules or None,
+                                                                     target_parameters=params or None))
+        adapted = _adapted(peft_model)
+        assert set(adapted) == want, target
+        assert set(adapted.values()) == {4}, target
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_moe"])
+def test_dense_and_shared_mlp_lora_reloads_in_plain_peft(family, tmp_path):
+    """An adapter with LoRA on the dense and shared-expert MLP Linears (target_parameters ``gate_proj.weight``,
+    ...) saves as plain Linear LoRA tensors, reloads in plain ``PeftModel.from_pretrained`` to identical logits,
+    and merges into each Linear as ``W + (alpha / r) * B @ A``: a plain rank-r Linear LoRA."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
 
     model = tiny_model(family)
     arch = find_arch(model.config)
-    present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    names = sorted(present - {"lm_head"} - set(peft_renamed(model, sorted(present))))
-    modules, params = lora_targets(model, arch, ",".join(names + ["experts"]))
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=modules,
-                                                  target_parameters=params))
-    adapted = [m for m in peft_model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-    assert {m.r["default"] for m in adapted} == {4}
-    linears = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if m in adapted and
-               isinstance(m.get_base_layer(), torch.nn.Linear)}
-    assert linears == set(modules)
-    assert {m.parameter_name for m in adapted if hasattr(m, "parameter_name")} == \
-        {p.rsplit(".", 1)[-1] for p in params}
+    modules, params = lora_targets(model, arch, "gate_proj,up_proj,down_proj,experts")
+    assert "gate_proj.weight" in params
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=modules or None,
+                                                  target_parameters=params, init_lora_weights=False))
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        want = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "adapter_model.safetensors")
+    mlp = [n for n, m in tiny_model(family).named_modules() if isinstance(m, torch.nn.Linear) and
+           n.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")]
+    assert mlp
+    for n in mlp:
+        a, b = state[f"base_model.model.{n}.lora_A.weight"], state[f"base_model.model.{n}.lora_B.weight"]
+        assert a.shape[0] == 4 and b.shape[1] == 4
+    reloaded = PeftModel.from_pretrained(tiny_model(family), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, want, rtol=0, atol=0)
+        # the same factors by hand: W + (alpha / r) * B @ A on each Linear, routed experts' LoRA merged as PEFT does
+        merged = reloaded.merge_and_unload()
+        base = tiny_model(family)
+        for n in mlp:
+            a, b = state[f"base_model.model.{n}.lora_A.weight"], state[f"base_model.model.{n}.lora_B.weight"]
+            torch.testing.assert_close(merged.get_submodule(n).weight,
+                                       base.get_submodule(n).weight + 2.0 * b @ a)
+        assert relative_error(merged(ids).logits, want) < 1e-5
 
 
 def test_one_config_object_loads_twice(tmp_path):

@@ -160,3 +160,23 @@ def test_a_run_prints_no_peft_or_transformers_warning(tmp_path):
     noise = [f"{w.category.__name__}: {w.message}" for w in caught
              if issubclass(w.category, (RuntimeWarning, FutureWarning))]
     assert noise == []
+
+
+@pytest.mark.parametrize("experts", [True, False])
+def test_bench_lora_is_on_every_dense_and_shared_mlp_linear(experts):
+    """Issue 19's benchmark LoRA: rank r on the attention and dense linears, the dense MLP's and the shared
+    experts' gate/up/down_proj included (PEFT would move those names onto the routed experts of a DeepSeek-V2),
+    and on the routed experts exactly when asked."""
+    from archs import tiny_model
+    from peft import get_peft_model
+
+    from ktcore.commands.bench_train import lora_config
+
+    model = tiny_model("deepseek_v2")
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+    peft_model = get_peft_model(model, lora_config(model, 4, experts=experts))
+    adapted = {n.removeprefix("base_model.model.").replace(".base_layer", ""): m.r["default"]
+               for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    routed = {f"model.layers.{i}.mlp.experts" for i in (1, 2)}
+    assert set(adapted) == linears | (routed if experts else set())
+    assert set(adapted.values()) == {4}

@@ -277,3 +277,36 @@ def test_training_goes_on_from_a_fused_expert_directory(tmp_path, model_dir, gen
     result = CliRunner().invoke(main, ["train", str(_config(tmp_path / "c", model_dir, generated_data, max_steps=2,
                                                             adapter_name_or_path=str(fused))), "--frontend", "trl"])
     assert result.exit_code == 2 and "fused_expert_lora.safetensors: SHA-256" in result.stderr, result.output
+
+
+def test_sft_deepseek_v2_dense_and_shared_mlp_lora(tmp_path, generated_data):
+    """On DeepSeek-V2 PEFT would move `gate_proj`/`up_proj`/`down_proj` onto the routed experts; named in
+    lora_target they train at rank r on the dense MLP's and the shared experts' Linears (and `experts` on the
+    routed experts), and the adapter reloads in plain PEFT to ktcore's logits."""
+    from archs import tiny_model
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import ktcore
+
+    model_dir = tmp_path / "deepseek_v2"
+    tokenizer = build_byte_tokenizer()
+    tiny_model("deepseek_v2", vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    config_path = _config(tmp_path, model_dir, generated_data, dataset="rev_alpaca", max_steps=6,
+                          lora_target="q_proj,gate_proj,up_proj,down_proj,experts")
+    out = Path(_train(config_path)["output_dir"])
+    state = load_file(out / "adapter_model.safetensors")
+    for module in ("layers.0.mlp.gate_proj", "layers.0.mlp.down_proj", "layers.1.mlp.shared_experts.up_proj",
+                   "layers.2.mlp.shared_experts.gate_proj"):
+        a, b = (state[f"base_model.model.model.{module}.lora_{x}.weight"] for x in "AB")
+        assert a.shape[0] == 8 and b.shape[1] == 8 and b.abs().sum() > 0, module  # rank r, trained
+    experts_a = state["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"]
+    assert experts_a.shape[0] == 8 * 8  # rank r (not 2r) for each of the 8 experts' gate_up_proj
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), out)
+    kt_model = ktcore.load_model(model_dir, config_from_dict({"use_kt": True, "kt_config": {"kt_backend": "torch"}}),
+                                 dtype=torch.float32, progress=False)
+    kt = PeftModel.from_pretrained(kt_model, out).eval()
+    assert _rel(_logits(kt, ids), _logits(plain.eval(), ids)) <= TOL

@@ -222,16 +222,19 @@ def lora_config(model, rank: int, experts: bool = True):
     """PEFT LoRA of rank r on the attention and dense linears (and the routed experts), through the same
     ``lora_config_for`` the frontends use."""
     from ..config import TrainConfig
-    from ..model.peft_expert_lora import lora_config_for, peft_renamed
+    from ..model.peft_expert_lora import lora_config_for
     from ..model.wrap import find_arch
 
     arch = find_arch(model.config)
     present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     names = [t for t in (*arch.default_lora_targets, *DENSE_LINEARS) if t in present]
-    # without the dense names PEFT would move onto the routed experts (DeepSeek, Qwen3-MoE: lora_targets refuses them)
-    names = [t for t in names if t not in peft_renamed(model, names)]
+    # the dense and shared-expert MLP names PEFT would move onto the routed experts (DeepSeek, Qwen3-MoE) reach
+    # their Linears as target_parameters (lora_targets)
     target = ",".join(names + (["experts"] if experts else []))
-    return lora_config_for(model, arch, TrainConfig(lora_rank=rank, lora_target=target))
+    config = lora_config_for(model, arch, TrainConfig(lora_rank=rank, lora_target=target))
+    if not experts:  # `down_proj` names the routed experts' parameter too: keep only the Linears' weights
+        config.target_parameters = [p for p in config.target_parameters or () if p.endswith(".weight")] or None
+    return config
 
 
 def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None,

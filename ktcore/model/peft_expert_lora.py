@@ -139,7 +139,14 @@ def lora_targets(model, arch, lora_target: str) -> tuple[list[str], list[str]]:
     """(target_modules, target_parameters) for ``lora_target`` ('all', or a comma list of names).
 
     'all' means the architecture's linear layers plus the routed experts; 'experts' in a list means the
-    routed experts' gate_up_proj and down_proj.
+    routed experts' gate_up_proj and down_proj; any other name every module of that name. A Linear name PEFT
+    would move onto the routed experts (``peft_renamed``) is given to PEFT as the parameter ``<name>.weight``
+    instead: PEFT's transformers-4
+    conversion rewrites every form of ``target_modules`` that reaches such a Linear (the bare name, a full module
+    path, a regex string: it resolves a regex to the leaf names it matches first) but leaves
+    ``target_parameters`` alone, and a ParamWrapper on a Linear's 2-D weight is a plain rank-r LoRA
+    (``lora_A`` [r, in], ``lora_B`` [out, r], delta ``scaling * B @ A``) saved under the same keys as one made
+    through ``target_modules``.
     """
     present = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
     experts_suffix = arch.experts_module.split("{layer}.", 1)[-1]
@@ -147,26 +154,25 @@ def lora_targets(model, arch, lora_target: str) -> tuple[list[str], list[str]]:
     wanted = [t.strip() for t in lora_target.split(",") if t.strip()]
     modules, params = [], []
     if wanted == ["all"]:
-        modules, params = [t for t in arch.default_lora_targets if t in present], expert_params
+        modules, params = [t for t in arch.default_lora_targets if t in present], list(expert_params)
         wanted = []
     for target in wanted:
         if target == "experts":
             params += expert_params
-        elif target in arch.expert_lora_parameters:
+            continue
+        # a name means every module of that name: the routed experts' parameter (down_proj) and the Linears
+        # (a dense MLP's or shared expert's down_proj), as a transformers-4 list target did
+        if target in arch.expert_lora_parameters:
             params.append(f"{experts_suffix}.{target}")
-        elif target in present:
+        if target in present:
             modules.append(target)
-        else:
-            choices = sorted(present | {"all", "experts"})
+        elif target not in arch.expert_lora_parameters:
+            choices = sorted(present | set(arch.expert_lora_parameters) | {"all", "experts"})
             raise ValueError(f"lora_target {target!r} matches no linear layer of this model; choose from "
                              f"{', '.join(choices)}")
-    renamed = peft_renamed(model, modules)
-    if renamed:
-        raise ValueError(f"lora_target {', '.join(renamed)}: on a {model.config.model_type} model PEFT reads "
-                         f"{'these' if len(renamed) > 1 else 'this'} as the routed experts' transformers-4 "
-                         "name(s) and would put the LoRA on the experts' gate_up_proj/down_proj, not on the Linear "
-                         "layers of that name; leave it out (`experts` targets the routed experts)")
-    return modules, params
+    renamed = set(peft_renamed(model, modules))
+    params += [f"{m}.weight" for m in modules if m in renamed]
+    return [m for m in modules if m not in renamed], list(dict.fromkeys(params))
 
 
 def peft_renamed(model, modules: list[str]) -> list[str]:
@@ -178,7 +184,7 @@ def peft_renamed(model, modules: list[str]) -> list[str]:
     ``gate_up_proj``/``down_proj`` parameters (``gate_proj`` and ``up_proj`` together: a rank pattern of 2r on
     ``gate_up_proj``). On such a model a dense MLP's or a shared expert's ``gate_proj`` (still a Linear) then
     silently gets no LoRA, and the experts a LoRA of another rank than asked. PEFT's own conversion is run on a
-    trial config to find those names."""
+    trial config to find those names (``lora_targets`` hands them to PEFT as ``<name>.weight`` parameters)."""
     if not modules:
         return []
     try:
@@ -186,9 +192,17 @@ def peft_renamed(model, modules: list[str]) -> list[str]:
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # a PEFT without the conversion keeps every name
         return []
-    trial = LoraConfig(target_modules=list(modules))
-    convert_peft_config_for_transformers(trial, model=model, conversions=None)
-    return [m for m in modules if m not in (trial.target_modules or ())]
+    renamed = []
+    for name in modules:  # one at a time: gate_proj without up_proj makes the conversion raise (fused into one)
+        trial = LoraConfig(target_modules=[name])
+        try:
+            convert_peft_config_for_transformers(trial, model=model, conversions=None)
+        except ValueError:
+            renamed.append(name)
+            continue
+        if name not in (trial.target_modules or ()):
+            renamed.append(name)
+    return renamed
 
 
 def lora_config_for(model, arch, cfg):
@@ -197,7 +211,7 @@ def lora_config_for(model, arch, cfg):
 
     modules, params = lora_targets(model, arch, cfg.lora_target)
     if params and cfg.lora_dropout:
-        raise ValueError(f"lora_dropout={cfg.lora_dropout}: PEFT's expert LoRA (target_parameters) has no dropout; "
-                         "set lora_dropout: 0, or leave the experts out of lora_target")
+        raise ValueError(f"lora_dropout={cfg.lora_dropout}: PEFT's target_parameters LoRA ({', '.join(params)}) has "
+                         "no dropout; set lora_dropout: 0, or leave those out of lora_target")
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.effective_lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=modules or None, target_parameters=params or None, task_type="CAUSAL_LM")

@@ -333,3 +333,39 @@ def test_the_key_list_is_the_installed_llamafactorys(monkeypatch):
     installed = {f.name for c in classes for f in dataclasses.fields(getattr(hparams, c)) if f.init}
     assert llamafactory.__version__ == LLAMAFACTORY_VERSION
     assert installed == LLAMAFACTORY_KEYS  # scripts/llamafactory_keys.py prints the installed set
+
+
+def test_deepseek_v2_dense_and_shared_mlp_lora(tmp_path):
+    """`gate_proj`/`up_proj`/`down_proj` in LLaMA-Factory's lora_target, on a DeepSeek-V2 (whose transformers-4
+    names PEFT would move onto the routed experts): rank-r LoRA on the dense MLP's and the shared experts' Linears,
+    beside the routed experts', all with gradients, saved under the Linears' own keys."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    import ktcore_llamafactory as kl
+
+    config = DeepseekV2Config(vocab_size=64, hidden_size=48, intermediate_size=72, moe_intermediate_size=24,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                              first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=8)
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(config).save_pretrained(tmp_path / "dsv2")
+    model_args = SimpleNamespace(model_name_or_path=str(tmp_path / "dsv2"), compute_dtype=torch.float32,
+                                 adapter_name_or_path=None)
+    model = kl.load_kt_pretrained_model(DeepseekV2Config.from_pretrained(tmp_path / "dsv2"), model_args)
+    peft_model = kl.get_kt_peft_model(model, {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules":
+                                              ["q_proj", "gate_proj", "up_proj", "down_proj", "experts"]})
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    peft_model(ids, labels=ids).loss.backward()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    state = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    grads = {n: p.grad for n, p in peft_model.named_parameters() if "lora_B" in n}
+    for module in ("layers.0.mlp.gate_proj", "layers.0.mlp.up_proj", "layers.0.mlp.down_proj",
+                   "layers.1.mlp.shared_experts.gate_proj", "layers.1.mlp.shared_experts.down_proj"):
+        assert state[f"base_model.model.model.{module}.lora_A.weight"].shape[0] == 4, module
+        grad = next(g for n, g in grads.items() if f".{module}." in n)
+        assert grad is not None and torch.count_nonzero(grad) > 0, module
+    assert state["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"].shape[0] == 4 * 8

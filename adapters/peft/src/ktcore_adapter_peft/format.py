@@ -66,6 +66,11 @@ def _expert_modules(config: dict) -> dict:
     found: dict[str, list[str]] = {}
     for target in config.get("target_parameters") or []:
         module, _, param = target.rpartition(".")
+        if param == "weight":
+            # a Linear's weight (ktcore's lora_targets gives PEFT a dense or shared-expert gate_proj/up_proj/
+            # down_proj this way, where a target_modules name would be moved onto the routed experts): a plain
+            # LoRA saved under the Linear's own lora_A/lora_B keys, read as one
+            continue
         part = {v: k for k, v in EXPERT_PARAMS.items()}.get(param)
         if part is None:
             raise AdapterError(f"{PEFT_CONFIG}: target_parameters entry {target!r}: ktcore knows expert LoRA on "

@@ -76,11 +76,12 @@ def get_kt_peft_model(model, peft_kwargs: dict[str, Any]):
     else:
         modules = [targets] if isinstance(targets, str) else list(targets)
     if params and kwargs.get("use_dora"):
-        raise ConfigError("use_dora: DoRA is not available for routed-expert LoRA; drop use_dora or leave the "
-                          "experts out of lora_target")
+        raise ConfigError(f"use_dora: DoRA is not available for PEFT's target_parameters LoRA ({', '.join(params)}); "
+                          "drop use_dora or leave those out of lora_target")
     if params and kwargs.get("lora_dropout"):
-        raise ConfigError(f"lora_dropout={kwargs['lora_dropout']}: PEFT's expert LoRA (target_parameters) has no "
-                          "dropout; set lora_dropout: 0, or leave the experts out of lora_target")
+        raise ConfigError(f"lora_dropout={kwargs['lora_dropout']}: PEFT's target_parameters LoRA "
+                          f"({', '.join(params)}) has no dropout; set lora_dropout: 0, or leave those out of "
+                          "lora_target")
     config = LoraConfig(task_type=TaskType.CAUSAL_LM, inference_mode=False, target_modules=modules or None,
                         target_parameters=params or None, **kwargs)
     with peft_wrapping(model):
