@@ -4,14 +4,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <exception>
 #include <functional>
-#include <memory>
 #include <vector>
 
 #include "kernels.hpp"
 #include "ktcore/expert_lora.hpp"
-#include "ktcore/thread_pool.hpp"
+#include "ktcore/pool_group.hpp"
 
 namespace ktint8 {
 
@@ -28,28 +26,13 @@ struct Task {
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert per inner step (C scratch 32 KB)
 
-class Scheduler {
+class Scheduler : public ktcore::PoolGroup {
  public:
   using TaskFn = std::function<void(const Task&, int pool, int tid, int64_t k0, int64_t k1)>;
 
-  // num_threads split as evenly as possible over num_pools pools; the calling thread works in pool 0 only.
-  Scheduler(int num_threads, int num_pools) {
-    num_pools = std::max(1, std::min(num_pools, num_threads));
-    for (int p = 0; p < num_pools; ++p) {
-      const int n = num_threads / num_pools + (p < num_threads % num_pools ? 1 : 0);
-      pools_.emplace_back(new ktcore::ThreadPool(n, p == 0));
-      scratch_.emplace_back(n);
-    }
+  Scheduler(int num_threads, int num_pools) : PoolGroup(num_threads, num_pools) {
+    for (int p = 0; p < this->num_pools(); ++p) scratch_.emplace_back(pool(p).num_threads());
   }
-
-  int num_threads() const {
-    int n = 0;
-    for (auto& p : pools_) n += p->num_threads();
-    return n;
-  }
-  int num_pools() const { return static_cast<int>(pools_.size()); }
-  // pool 0, for work that is not split by expert (routing, quantising rows, the combine)
-  ktcore::ThreadPool& first_pool() { return *pools_[0]; }
 
   // Runs the tasks (expert, up to task_rows rows, unit) over all pools at once. split_units: the units [0, units)
   // are divided among the pools; otherwise every pool runs every unit over its own slice [k0, k1) of ksplit
@@ -69,32 +52,7 @@ class Scheduler {
             tasks[p].push_back({static_cast<int32_t>(e), static_cast<int32_t>(u), r,
                                 std::min(off[e + 1], r + task_rows), poff[e] + r - off[e]});
     }
-    std::vector<int64_t> counts(npools);
-    std::vector<ktcore::ThreadPool::Fn> fns(npools);
-    for (int p = 0; p < npools; ++p) {
-      counts[p] = static_cast<int64_t>(tasks[p].size());
-      fns[p] = [&, p](int64_t b, int64_t e, int tid) {
-        for (int64_t i = b; i < e; ++i) fn(tasks[p][i], p, tid, kr[p].first, kr[p].second);
-      };
-    }
-    dispatch(counts, fns);
-  }
-
-  // Runs fn(i, pool, tid) for every i in [0, n) over all pools at once, each pool a contiguous share.
-  void run_tasks(int64_t n, const std::function<void(int64_t, int pool, int tid)>& fn) {
-    const int npools = num_pools(), total = num_threads();
-    std::vector<int64_t> start(npools + 1, 0), counts(npools);
-    std::vector<ktcore::ThreadPool::Fn> fns(npools);
-    int before = 0;
-    for (int p = 0; p < npools; ++p) {
-      before += pools_[p]->num_threads();
-      start[p + 1] = n * before / total;
-      counts[p] = start[p + 1] - start[p];
-      fns[p] = [&, p](int64_t b, int64_t e, int tid) {
-        for (int64_t i = b; i < e; ++i) fn(start[p] + i, p, tid);
-      };
-    }
-    dispatch(counts, fns);
+    run_task_lists(tasks, kr, fn);
   }
 
   // This thread's scratch: int32 and fp32 C blocks (kRowChunk rows x 32, 64-byte aligned), transposed weight
@@ -124,23 +82,6 @@ class Scheduler {
     return reinterpret_cast<T*>((a + 63) / 64 * 64);
   }
 
-  // Starts counts[p] items of fns[p] on every pool p (pool 0, whose caller works too, last) and waits for all;
-  // rethrows the first failure.
-  void dispatch(const std::vector<int64_t>& counts, const std::vector<ktcore::ThreadPool::Fn>& fns) {
-    const int npools = num_pools();
-    for (int p = npools - 1; p >= 0; --p) pools_[p]->start(counts[p], fns[p]);
-    std::exception_ptr err;
-    for (int p = 0; p < npools; ++p) {
-      try {
-        pools_[p]->join();
-      } catch (...) {
-        if (!err) err = std::current_exception();
-      }
-    }
-    if (err) std::rethrow_exception(err);
-  }
-
-  std::vector<std::unique_ptr<ktcore::ThreadPool>> pools_;
   std::vector<std::vector<Scratch>> scratch_;
 };
 
