@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ktcore/combine.hpp"
 #include "select.hpp"
 
 namespace ktamx {
@@ -194,30 +195,10 @@ void Engine::gather(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t H,
   });
 }
 
-void Engine::combine(uintptr_t parts_, int64_t nparts, int64_t R, int64_t H, uintptr_t row_of_, uintptr_t wgt_,
-                     int64_t T, int64_t Kk, uintptr_t out_, bool out_bf16) {
-  const float* parts = P<const float>(parts_);
-  const int32_t* row_of = P<const int32_t>(row_of_);
-  const float* wgt = wgt_ ? P<const float>(wgt_) : nullptr;
-  char* out = P<char>(out_);
-  const int64_t es = out_bf16 ? 2 : 4;
-  sched_.first_pool().parallel_for(T, [&](int64_t b, int64_t e, int tid) {
-    std::vector<float> acc(H);
-    for (int64_t t = b; t < e; ++t) {
-      bool first = true;
-      for (int64_t k = 0; k < Kk; ++k) {
-        int32_t r = row_of[t * Kk + k];
-        if (r < 0) continue;
-        float w = wgt ? wgt[t * Kk + k] : 1.0f;
-        for (int64_t p = 0; p < nparts; ++p) {
-          K_->axpy(w, parts + (p * R + r) * H, acc.data(), H, first);
-          first = false;
-        }
-      }
-      if (first) std::fill(acc.begin(), acc.end(), 0.0f);
-      K_->store_row(acc.data(), H, out + t * H * es, out_bf16);
-    }
-  }, 4);
+void Engine::combine(uintptr_t parts, int64_t nparts, int64_t R, int64_t H, uintptr_t row_of, uintptr_t wgt,
+                     int64_t T, int64_t Kk, uintptr_t out, bool out_bf16) {
+  ktcore::combine_rows(sched_.first_pool(), *K_, P<const float>(parts), nparts, R, H, P<const int32_t>(row_of),
+                       wgt ? P<const float>(wgt) : nullptr, T, Kk, P<char>(out), out_bf16);
 }
 
 // Expert LoRA's prologue: q[r] = F_e src_r for every row r of every expert (expert_lora.hpp's rank_rows), its

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ktcore/combine.hpp"
 #include "select.hpp"
 
 namespace ktint8 {
@@ -153,30 +154,10 @@ void Engine::quantize_rows(uintptr_t src, bool src_bf16, int64_t src_stride, int
   });
 }
 
-void Engine::combine(uintptr_t parts_, int64_t nparts, int64_t R, int64_t H, uintptr_t row_of_, uintptr_t wgt_,
-                     int64_t T, int64_t Kk, uintptr_t out_, bool out_bf16) {
-  const float* parts = P<const float>(parts_);
-  const int32_t* row_of = P<const int32_t>(row_of_);
-  const float* wgt = P<const float>(wgt_);
-  char* out = P<char>(out_);
-  const int64_t es = out_bf16 ? 2 : 4;
-  sched_.first_pool().parallel_for(T, [&](int64_t b, int64_t e, int) {
-    std::vector<float> acc(H);
-    for (int64_t t = b; t < e; ++t) {
-      bool first = true;
-      for (int64_t k = 0; k < Kk; ++k) {
-        const int32_t r = row_of[t * Kk + k];
-        if (r < 0) continue;
-        const float w = wgt ? wgt[t * Kk + k] : 1.0f;
-        for (int64_t p = 0; p < nparts; ++p) {
-          K_->axpy(w, parts + (p * R + r) * H, acc.data(), H, first);
-          first = false;
-        }
-      }
-      if (first) std::fill(acc.begin(), acc.end(), 0.0f);
-      K_->store_row(acc.data(), H, out + t * H * es, out_bf16);
-    }
-  }, 4);
+void Engine::combine(uintptr_t parts, int64_t nparts, int64_t R, int64_t H, uintptr_t row_of, uintptr_t wgt,
+                     int64_t T, int64_t Kk, uintptr_t out, bool out_bf16) {
+  ktcore::combine_rows(sched_.first_pool(), *K_, P<const float>(parts), nparts, R, H, P<const int32_t>(row_of),
+                       wgt ? P<const float>(wgt) : nullptr, T, Kk, P<char>(out), out_bf16);
 }
 
 void Engine::lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int rank, int64_t n, uintptr_t src,
