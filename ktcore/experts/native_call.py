@@ -4,6 +4,7 @@ layout the kernels read, per-thread scratch buffers kept between calls, and the 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -14,6 +15,14 @@ import torch
 def address(t: Optional[torch.Tensor]) -> int:
     """A tensor's data address for a kernel argument; 0 (the kernels' "none") for None."""
     return 0 if t is None else t.data_ptr()
+
+
+def engine_threads(config) -> tuple[int, int]:
+    """(threads, pools) of a native backend's engine from a KTConfig: kt_num_threads (default: every core this process
+    may run on) split over kt_threadpool_count pools when kt_tp_enabled, else one pool."""
+    threads = config.kt_num_threads or len(os.sched_getaffinity(0))
+    pools = config.kt_threadpool_count if config.kt_tp_enabled else 1
+    return int(threads), int(pools)
 
 
 def token_rows(t: torch.Tensor) -> torch.Tensor:

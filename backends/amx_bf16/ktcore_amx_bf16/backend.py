@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ktcore.experts import hugepages
-from ktcore.experts.native_call import Route, Workspace, address, route_rows, token_rows
+from ktcore.experts.native_call import Route, Workspace, address, engine_threads, route_rows, token_rows
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
@@ -113,10 +113,8 @@ class AMXBF16Backend(ExpertBackendBase):
             if why:
                 raise RuntimeError(f"the amx_bf16 backend cannot run here: {why}; choose kt_backend: torch "
                                    "(or auto) on this CPU")
-        kt = self.config
-        threads = kt.kt_num_threads or len(os.sched_getaffinity(0))
-        pools = kt.kt_threadpool_count if kt.kt_tp_enabled else 1
-        self._engine = ext.Engine(int(threads), int(pools), kernels)
+        threads, pools = engine_threads(self.config)
+        self._engine = ext.Engine(threads, pools, kernels)
         self._ws = Workspace()
         self._saved = SavedBufferPool()
 

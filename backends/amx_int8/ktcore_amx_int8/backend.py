@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, hugepages
-from ktcore.experts.native_call import Route, Workspace, address, route_rows, token_rows
+from ktcore.experts.native_call import Route, Workspace, address, engine_threads, route_rows, token_rows
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 from ktcore.weights.int8 import LAYOUT, Int8Experts
@@ -103,11 +103,9 @@ class AMXInt8Backend(ExpertBackendBase):
         kernels = kernels or os.environ.get("KTCORE_AMX_INT8_KERNELS", "auto")
         if kernels not in KERNELS:
             raise ValueError(f"KTCORE_AMX_INT8_KERNELS={kernels!r}: choose one of {', '.join(KERNELS)}")
-        kt = self.config
-        threads = kt.kt_num_threads or len(os.sched_getaffinity(0))
-        pools = kt.kt_threadpool_count if kt.kt_tp_enabled else 1
+        threads, pools = engine_threads(self.config)
         try:
-            self._engine = _ext().Engine(int(threads), int(pools), kernels)
+            self._engine = _ext().Engine(threads, pools, kernels)
         except RuntimeError as exc:
             raise RuntimeError(f"the amx_int8 backend cannot run here: {exc}; choose kt_backend: torch with "
                                "kt_expert_weight_format: bf16 on this CPU") from None

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ktcore.experts.native_call import address
+from ktcore.experts.native_call import address, engine_threads
 from ktcore.experts.native_lora import NativeProjection, native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
@@ -200,8 +200,8 @@ class LlamafileBackend(ExpertBackendBase):
         self.activations = activations
         self._bits = ACTIVATIONS_MODES[activations]
         isa = isa or os.environ.get("KTCORE_LLAMAFILE_ISA", "auto")
-        threads = self.config.kt_num_threads or len(os.sched_getaffinity(0))
-        self._engine = _ext().Engine(int(threads), isa)
+        threads, _ = engine_threads(self.config)  # one pool: the llamafile engine splits no work by pool
+        self._engine = _ext().Engine(threads, isa)
         self._saved = SavedBufferPool()
 
     @property
