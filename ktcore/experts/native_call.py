@@ -84,3 +84,22 @@ def route_rows(engine, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_e
     R = engine.route(ids.data_ptr(), T, K, num_experts, w_flat.data_ptr(), offsets.data_ptr(), padded.data_ptr(),
                      row_tok.data_ptr(), row_of.data_ptr(), order.data_ptr(), w_row.data_ptr())
     return Route(T, K, R, offsets, padded, row_tok[:R], row_of, order[:R], w_flat, w_row[:R])
+
+
+def combine_parts(engine, parts: torch.Tensor, route: Route, weighted: bool, dtype: torch.dtype,
+                  pinned: bool) -> torch.Tensor:
+    """``engine.combine``: each token's rows of ``parts`` [pools, R, H] summed into one [T, H] row, times the
+    routing weights when ``weighted`` (the forward's y; backward's grad_x takes them earlier), as ``dtype``. The
+    engine writes fp32 or bf16 (into pinned memory when asked); another dtype is cast from fp32."""
+    out_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    out = torch.empty(route.T, parts.shape[2], dtype=out_dtype, pin_memory=pinned)
+    engine.combine(parts.data_ptr(), parts.shape[0], route.R, parts.shape[2], route.row_of.data_ptr(),
+                   route.w_flat.data_ptr() if weighted else 0, route.T, route.K, out.data_ptr(),
+                   out_dtype == torch.bfloat16)
+    return out if out_dtype == dtype else out.to(dtype)
+
+
+def check_lora_as_saved(ctx, lora_gu, lora_dn) -> None:
+    """A backward gets the expert LoRA (or none) that its forward ran with and saved ``A x`` / ``A h`` of."""
+    if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
+        raise ValueError("backward's expert LoRA must be the one its forward ran with")

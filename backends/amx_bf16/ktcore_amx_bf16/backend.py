@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from ktcore.experts import hugepages
-from ktcore.experts.native_call import Route, Workspace, address, engine_threads, route_rows, token_rows
+from ktcore.experts.native_call import (Route, Workspace, address, check_lora_as_saved, combine_parts,
+                                        engine_threads, route_rows, token_rows)
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
@@ -204,13 +205,8 @@ class AMXBF16Backend(ExpertBackendBase):
         eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr(), ldh,
                  lora_dn and lora_dn.native(_ext()), address(ah))
         prof("fwd.down")
-        out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        y = torch.empty(route.T, H, dtype=out_dtype, pin_memory=self.pin_outputs)
-        eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), route.w_flat.data_ptr(),
-                    route.T, route.K, y.data_ptr(), out_dtype == torch.bfloat16)
+        y = combine_parts(eng, parts, route, True, x.dtype, self.pin_outputs)
         prof("fwd.combine")
-        if out_dtype != x.dtype:
-            y = y.to(x.dtype)
         ctx = AMXSaved(x_rows, route, g, u, h, ax, ah, topk_weights.dtype, lease) if save else None
         return y, ctx
 
@@ -225,8 +221,7 @@ class AMXBF16Backend(ExpertBackendBase):
         R, T, K = route.R, route.T, route.K
         off = route.offsets
         lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs)
-        if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
-            raise ValueError("backward's expert LoRA must be the one its forward ran with")
+        check_lora_as_saved(ctx, lora_gu, lora_dn)
 
         prof = _Prof()
         gy_rows = token_rows(grad_y)
@@ -257,11 +252,8 @@ class AMXBF16Backend(ExpertBackendBase):
                         address(ggu_rows), ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
                         route.row_tok.data_ptr(), address(ctx.ax), address(qg))
         prof("bwd.gate_up")
-        gx_dtype = grad_y.dtype if grad_y.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        grad_x = torch.empty(T, H, dtype=gx_dtype, pin_memory=self.pin_outputs)
-        eng.combine(parts.data_ptr(), parts.shape[0], R, H, route.row_of.data_ptr(), 0, T, K, grad_x.data_ptr(),
-                    gx_dtype == torch.bfloat16)
+        grad_x = combine_parts(eng, parts, route, False, grad_y.dtype, self.pin_outputs)
         prof("bwd.combine")
         grad_w = grad_w.view(T, K).to(ctx.w_dtype)
         grads = native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
-        return grad_x.to(grad_y.dtype), grad_w, grads
+        return grad_x, grad_w, grads

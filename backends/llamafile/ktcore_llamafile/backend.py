@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ktcore.experts.native_call import address, engine_threads
+from ktcore.experts.native_call import address, check_lora_as_saved, engine_threads
 from ktcore.experts.native_lora import NativeProjection, native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, activation_function
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
@@ -424,8 +424,7 @@ class LlamafileBackend(ExpertBackendBase):
         route = ctx.route
         R, T, K = route.R, route.T, route.K
         lora_gu, lora_dn = native_projections(lora, E, H, I, route.offsets, pinned=self.pin_outputs)
-        if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
-            raise ValueError("backward's expert LoRA must be the one its forward ran with")
+        check_lora_as_saved(ctx, lora_gu, lora_dn)
         gu, dn = _native(lora_gu), _native(lora_dn)
         rows = route.row_tok.long()
         gy = grad_y.detach().to(torch.float32)[rows]  # [R, H]
