@@ -88,6 +88,7 @@ class ResidentExperts:
         self.calls = 0  # counted calls since the last snapshot of the counts
         self.pending: Optional[tuple] = None  # (counts in host memory, the event their copy recorded)
         self.refreshes = 0  # choices that changed the set (the bench and the tests read it)
+        self.copied_bytes = 0  # host-to-device bytes of resident experts so far (the bench reads it)
         self.current = self._build(tuple(range(n)))  # until the first choice: the first N
 
     @property
@@ -105,6 +106,7 @@ class ResidentExperts:
             rows = torch.empty((self.n, *t.shape[1:]), dtype=t.dtype, pin_memory=cuda)
             torch.index_select(t, 0, index, out=rows)
             weights.append(rows.to(self.device, non_blocking=True).to(self.dtype) if cuda else rows.to(self.dtype))
+        self.copied_bytes += sum(t.numel() * t.element_size() for t in weights) if cuda else 0
         return ResidentSet(ids, index.to(self.device), slot_of.to(self.device), tuple(weights))
 
     def choose(self) -> ResidentSet:
