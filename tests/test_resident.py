@@ -247,3 +247,18 @@ def test_resident_on_cuda_bf16(tmp_path, family, source, monkeypatch):
         if seed == 9:
             assert all(5 in r.current.ids for r in resident)
     assert all(3 in r.current.ids for r in resident)
+
+
+def test_disabled_adapter_and_host_lora_elsewhere():
+    """``disable_adapter()`` switches the resident experts' LoRA off too (the base logits), and with
+    ``kt_expert_lora_device: host`` a layer with resident experts keeps its factors with the model (the GPU
+    reads them) while the signal stays cpu placement's."""
+    plain = tiny_qwen3_moe()
+    base = plain(batch()[0]).logits
+    on_cpu = ktcore.wrap_model(copy.deepcopy(plain), {"kt_backend": "torch"})
+    ours = with_resident(copy.deepcopy(plain), 2, kt_expert_lora_device="host")
+    a, b = peft_pair(on_cpu, ours)
+    with torch.no_grad(), b.disable_adapter():
+        assert relative_error(b(batch()[0]).logits, base) <= 1e-5
+    for seed in (16, 17):
+        assert_same_training_signal(a, b, *batch(seed))
