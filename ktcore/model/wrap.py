@@ -189,8 +189,9 @@ HYBRID = "hybrid"  # ... for a layer split between the default backend and the s
 def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True, model=None,
                    device=None) -> dict:
     """experts module name -> the backend computing it (a Resident of it with kt_num_gpu_experts), None for a layer
-    kept on the model's device, STREAM, HYBRID, or an AutoWindow for an auto layer and a hybrid one without kt_hybrid_cpu_share (re-balanced);
-    ``model`` (on any device, meta included) and the ``device`` it will compute on are needed for those."""
+    kept on the model's device, STREAM, HYBRID, or an AutoWindow for an auto layer and a hybrid one without
+    kt_hybrid_cpu_share (re-balanced); ``model`` (on any device, meta included) and the ``device`` it will
+    compute on are needed for those."""
     from ..plugins.select import get_backend
 
     rules = parse_rules(kt.kt_placement, "kt_config")
