@@ -262,3 +262,26 @@ def test_disabled_adapter_and_host_lora_elsewhere():
         assert relative_error(b(batch()[0]).logits, base) <= 1e-5
     for seed in (16, 17):
         assert_same_training_signal(a, b, *batch(seed))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_counting_and_choosing_never_synchronise_on_cuda():
+    """The counts stay on the device and reach the host by a copy nobody waits for; a choice copies the new set
+    from pinned memory: torch's sync debug mode raises on any synchronising call among them."""
+    host = (torch.randn(8, 6, 4, dtype=torch.bfloat16), torch.randn(8, 4, 3, dtype=torch.bfloat16))
+    r = ResidentExperts("layer", host, 2, 1, "cuda", torch.bfloat16, own_copy=False)
+    calls = [torch.tensor([[7, 6]] * 64, device="cuda"), torch.tensor([[5, 4]] * 64, device="cuda")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids in calls * 2:
+            r.choose()
+            r.count(ids)
+            torch.cuda._sleep(1000)  # device work queued behind: a synchronising copy would have to wait for it
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    r.choose()
+    assert r.refreshes >= 1 and r.current.ids in ((6, 7), (4, 5))
+    assert torch.equal(r.current.weights[0].cpu(), host[0][list(r.current.ids)])

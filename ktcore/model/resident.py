@@ -107,7 +107,10 @@ class ResidentExperts:
             torch.index_select(t, 0, index, out=rows)
             weights.append(rows.to(self.device, non_blocking=True).to(self.dtype) if cuda else rows.to(self.dtype))
         self.copied_bytes += sum(t.numel() * t.element_size() for t in weights) if cuda else 0
-        return ResidentSet(ids, index.to(self.device), slot_of.to(self.device), tuple(weights))
+        # the ids pinned too: a copy from pageable memory would wait for everything queued on the device
+        small = [t.pin_memory() if cuda else t for t in (index, slot_of)]
+        index_device, slot_of = (t.to(self.device, non_blocking=True) for t in small)
+        return ResidentSet(ids, index_device, slot_of, tuple(weights))
 
     def choose(self) -> ResidentSet:
         """The set this call computes with: a new one when a snapshot of the counts has landed."""
