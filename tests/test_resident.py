@@ -13,7 +13,7 @@ from archs import MOE_LAYERS, tiny_model
 from ktcore_tiny import tiny_qwen3_moe
 from peft import get_peft_model
 from test_equivalence import (assert_as_close_as_plain_bf16, assert_same_training_signal, batch, lora_config,
-                              peft_pair, tiny_model_of)
+                              lora_grads, peft_pair, tiny_model_of)
 
 import ktcore
 from ktcore.errors import ConfigError
@@ -285,3 +285,32 @@ def test_counting_and_choosing_never_synchronise_on_cuda():
     r.choose()
     assert r.refreshes >= 1 and r.current.ids in ((6, 7), (4, 5))
     assert torch.equal(r.current.weights[0].cpu(), host[0][list(r.current.ids)])
+
+
+def test_gguf_blocks_on_llamafile_with_resident_experts(tmp_path):
+    """A GGUF whose Q8_0 expert blocks the llamafile backend packs as they are (``pack_source``): the resident
+    experts come from the file's dequantised blocks, a host copy of their own; the model stays as close to the
+    fp32 truth on those dequantised weights as the cpu placement on llamafile is (its activations are quantised
+    to 16 bits, the resident share's are not) while the sets move."""
+    from peft import get_peft_model as peft_of
+    from test_gguf_train import skip_unless_ready, tiny_gguf
+
+    skip_unless_ready()
+    truth, path = tiny_gguf(tmp_path / "mixtral.gguf")
+    kt = {"kt_backend": "llamafile"}
+    on_cpu = ktcore.load_model(path, {"kt_config": kt}, device="cpu", progress=False)
+    ours = ktcore.load_model(path, {"kt_config": {**kt, "kt_num_gpu_experts": 2, "kt_gpu_experts_interval": 1}},
+                             device="cpu", progress=False)
+    resident = list(ours.ktcore.resident.values())
+    assert len(resident) == 2 and all(r.host_bytes > 0 for r in resident)  # the blocks are no HF layout
+    torch.manual_seed(7)
+    truth = peft_of(truth, lora_config())
+    on_cpu, ours = peft_pair(on_cpu, ours)
+    for seed in (1, 2, 3):
+        ids, mask = batch(seed, vocab=truth.config.vocab_size)
+        (ref, ref_grads), (cpu, cpu_grads), (got, got_grads) = (lora_grads(m, ids, mask) for m in (truth, on_cpu, ours))
+        bound = max(2 * relative_error(cpu.logits, ref.logits), 1e-4)
+        assert relative_error(got.logits, ref.logits) <= bound
+        bound = max(2 * max(relative_error(cpu_grads[n], ref_grads[n]) for n in ref_grads), 1e-4)
+        assert max(relative_error(got_grads[n], ref_grads[n]) for n in ref_grads) <= bound
+    assert all(r.refreshes >= 1 for r in resident)
