@@ -20,7 +20,7 @@ import yaml
 
 from .errors import ConfigError
 from .llamafactory_keys import LLAMAFACTORY_KEYS
-from .model.placement import parse_rules
+from .model.placement import check_num_gpu_experts, parse_rules
 
 
 def _key(doc: str, choices: tuple = (), default=MISSING, default_factory=MISSING):
@@ -62,6 +62,10 @@ class KTConfig:
                                "backward streams nothing again)", default=2)
     kt_hybrid_cpu_share: Optional[float] = _key("hybrid: share of each layer's experts the CPU backend computes "
                                                 "(unset: chosen from the rates and re-balanced from measured times)")
+    kt_num_gpu_experts: int = _key("cpu placement: per MoE layer, how many of its most used experts stay resident "
+                                   "on the model's device (0: none)", default=0)
+    kt_gpu_experts_interval: int = _key("kt_num_gpu_experts: a layer re-chooses its resident experts from its "
+                                        "counts every this many forward calls", default=8)
     kt_rates: Optional[str] = _key("auto and re-balanced hybrid placement: a rates file (`ktcore doctor --json` "
                                    "output or examples/rates/*.json) to start from; unset: measured at load")
     kt_expert_lora_device: str = _key("where the routed experts' LoRA factors, their gradients and optimizer "
@@ -78,7 +82,8 @@ class KTConfig:
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
                    "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement",
-                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share", "kt_rates",
+                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share", "kt_num_gpu_experts",
+                   "kt_gpu_experts_interval", "kt_rates",
                    "kt_expert_lora_device")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")
 
@@ -316,7 +321,7 @@ def _check_values(cfg: TrainConfig, where: str) -> None:
         except ConfigError as exc:
             raise ConfigError(f"{where}: kt_config.kt_rates: {exc}") from exc
     try:
-        parse_rules(kt.kt_placement, where)
+        check_num_gpu_experts(parse_rules(kt.kt_placement, where), kt, where)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     # training values transformers would take silently (an untrained adapter, one step, a negative step size)

@@ -49,6 +49,18 @@ PLANTS = [
     Plant("an int8 store written with gate's scales for up",
           (('"up.scales": us[:, start:end]', '"up.scales": gs[:, start:end]'),),
           ("tests/test_weight_store.py", "-k", "int8_store")),
+    Plant("a recomputed layer with resident experts takes the layer's current set, not its forward's",
+          (("    chosen = replay.kept() if replay.recomputing() else None\n",
+            "    chosen = replay.kept() if replay.recomputing() else None\n"
+            "    chosen = resident.choose() if chosen is not None else None\n"),),
+          ("tests/test_resident.py", "-k", "checkpointed")),
+    Plant("resident experts' LoRA factors gathered without their gradient",
+          (("return None if a is None else (b.index_select(0, ids), a.index_select(0, ids), scale)",
+            "return None if a is None else (b.detach()[ids], a.detach()[ids], scale)"),),
+          ("tests/test_resident.py", "-k", "across_refreshes")),
+    Plant("a resident expert's token-slots computed by the CPU backend as well",
+          (("torch.where(slot < resident.n, module.num_experts, top_k_index)", "top_k_index"),),
+          ("tests/test_resident.py", "-k", "across_refreshes")),
 ]
 
 

@@ -166,6 +166,13 @@ CASES = {
     "chat on a partial GGUF": ("chat", [_partial_gguf_model], "truncated"),
     "model header without data_offsets": ("chat", [_model_without_offsets], "is not {dtype, shape, data_offsets}"),
     "model config.json not JSON": ("train", [_config_not_json], "cannot build the model from its config"),
+    "kt_num_gpu_experts negative": ("train", ["kt_config.kt_num_gpu_experts=-1"],
+                                    "kt_num_gpu_experts must be an integer >= 0"),
+    "kt_num_gpu_experts all experts": ("train", ["kt_config.kt_num_gpu_experts=8"],
+                                       "kt_num_gpu_experts 8 needs fewer than the layer's 8 experts"),
+    "kt_num_gpu_experts with gpu_stream": ("train", ["kt_config.kt_num_gpu_experts=2",
+                                                     "kt_config.kt_expert_placement=gpu_stream"],
+                                           "works with kt_expert_placement: cpu, not gpu_stream"),
 }
 
 
@@ -214,3 +221,13 @@ def test_weight_map_leaving_the_model_dir_is_refused(world, tmp_path, entry):
     result = CliRunner().invoke(main, ["chat", str(world["config"]), "--prompt", "hi", f"model_name_or_path={model}"])
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
     assert "weight_map entry" in result.stderr
+
+
+def test_chat_refuses_more_resident_experts_than_a_layer_has(world):
+    """chat checks the layers' expert counts when the model is built (after the headers, before any weight):
+    one line, not a traceback from inside the load."""
+    result = CliRunner().invoke(main, ["chat", str(world["config"]), "--prompt", "hi", "kt_config.kt_backend=torch",
+                                       f"model_name_or_path={world['model']}", "kt_config.kt_num_gpu_experts=9"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "kt_num_gpu_experts 9 needs fewer than the layer's 8 experts" in lines[0]

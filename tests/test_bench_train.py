@@ -83,6 +83,21 @@ def test_expert_lora_devices_side_by_side(tmp_path):
     assert rows[2]["memory"]["trainable_gib"] == pytest.approx(rows[1]["memory"]["trainable_gib"])
 
 
+def test_resident_experts_side_by_side(tmp_path):
+    """--num-gpu-experts 0,2 with --placement cpu,gpu_stream: the cpu run without and with 2 experts a layer resident
+    (their buffers counted, the run named), the stream's run only without (it refuses the combination)."""
+    rows = bench("--tokens", "16", "--kernel-seconds", "0", "--no-expert-lora-off", "--num-gpu-experts", "0,2",
+                 "--placement", "cpu,gpu_stream", "--workdir", str(tmp_path))
+    assert [(r["run"], r["gpu_experts"]) for r in rows] == [
+        ("ktcore", 0), ("ktcore, 2 experts resident", 2), ("ktcore gpu_stream", 0)]
+    for row in rows:
+        assert row["error"] is None and row["tok_s"] > 0
+    assert rows[0]["gpu_experts_gib"] == 0 and rows[1]["gpu_experts_gib"] > 0
+    assert rows[1]["split"]["gpu_experts_refreshes"] == 0  # 2 calls a layer: below the default interval
+    result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--num-gpu-experts", "2,x"])
+    assert result.exit_code == 2 and "--num-gpu-experts 2,x" in result.output
+
+
 def test_kept_model_is_timed_again_with_attention_only_checkpointing(tmp_path):
     result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--shape", "qwen3-30b-a3b", "--tokens", "8",
                                        "--steps", "1", "--warmup", "0", "--kernel-seconds", "0",

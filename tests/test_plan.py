@@ -125,6 +125,30 @@ def test_more_cores_speed_up_the_cpu_only(shapes):
     assert predict(shape, step, rates.with_cores(8), "gpu").step_s == predict(shape, step, rates, "gpu").step_s
 
 
+def test_resident_experts_row(shapes):
+    """kt_num_gpu_experts N: a cpu_resident row beside cpu, the GPU computing N/E of the slots (uniform routing) at
+    the same time as the CPU the rest: faster than cpu, its GPU memory the resident experts' once per layer plus one
+    layer's LoRA-added copy and their slots' activations, its host memory cpu's plus a bf16 copy of every expert
+    (none when the backend's packed experts are that), and its copies N experts a layer per interval."""
+    rates = load_rates(H200)
+    shape = shapes["qwen3_moe_30b"]
+    step = Setting(tokens=2048, gpu_experts=16, gpu_experts_interval=8)
+    got = plan(shape, step, rates)["costs"]
+    assert "cpu_resident" not in plan(shape, Setting(tokens=2048), rates)["costs"]
+    cpu, resident = got["cpu"], got["cpu_resident"]
+    assert resident.cpu_share == pytest.approx(1 - 16 / 128) and resident.step_s < cpu.step_s
+    experts_gib = (shape.moe_layers + 1) * 16 * shape.expert_params * 2 / 2**30
+    slots_gib = 16 / 128 * 2048 * shape.top_k * shape.moe_layers * (shape.hidden + 3 * shape.expert_intermediate) \
+        * 2 / 2**30
+    assert resident.gpu_gib == pytest.approx(cpu.gpu_gib + experts_gib + slots_gib)
+    copy_gib = shape.routed_params * 2 / 2**30
+    # the copy, less the activations the CPU no longer keeps for the GPU's slots
+    assert cpu.host_gib + 0.98 * copy_gib < resident.host_gib < cpu.host_gib + copy_gib
+    own = plan(shape, replace(step, resident_host_copy=False), rates)["costs"]["cpu_resident"]
+    assert own.host_gib < cpu.host_gib  # no copy, and the CPU keeps fewer slots' activations
+    assert resident.copy_gb == pytest.approx(shape.moe_layers * 16 * shape.expert_params * 2 / 8 / 1e9)
+
+
 def ktcore_plan(*args):
     return subprocess.run([sys.executable, "-m", "ktcore", "plan", *args], capture_output=True, text=True, cwd=ROOT)
 

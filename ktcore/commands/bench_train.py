@@ -391,6 +391,7 @@ class Settings:
     expert_lora_devices: tuple = ("model",)  # kt_expert_lora_device of each ktcore run, side by side
     stream_ring: int = 2  # kt_stream_ring of the gpu_stream and hybrid runs
     hybrid_cpu_share: Optional[float] = 0.5  # kt_hybrid_cpu_share of the hybrid runs (None: re-balanced)
+    num_gpu_experts: tuple = (0,)  # kt_num_gpu_experts of each cpu run, side by side
     rates: Optional[str] = None  # kt_rates of the auto and re-balanced hybrid runs (None: measured at load)
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -424,10 +425,10 @@ def split_of(step_s: float, spans: dict, device: torch.device) -> dict:
 
 
 def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16", backend: Optional[str] = None,
-               placement: str = "cpu", lora_device: str = "model") -> Iterator[dict]:
-    """ktcore.load_model with ``placement`` and ``kt_expert_lora_device: lora_device`` + PEFT, per tokens: expert
-    LoRA off (unless not asked, or a run with the LoRA on the model's device times it) then on; then the loss curve
-    (``settings.loss_steps``) at the first tokens."""
+               placement: str = "cpu", lora_device: str = "model", gpu_experts: int = 0) -> Iterator[dict]:
+    """ktcore.load_model with ``placement``, ``kt_expert_lora_device: lora_device`` and ``kt_num_gpu_experts:
+    gpu_experts`` + PEFT, per tokens: expert LoRA off (unless not asked, or a run with the LoRA on the model's
+    device times it) then on; then the loss curve (``settings.loss_steps``) at the first tokens."""
     from peft import get_peft_model
 
     from .. import load_model
@@ -441,12 +442,13 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
     kt = {"kt_backend": backend or settings.backend, "kt_num_threads": settings.threads,
           "kt_expert_placement": placement, "kt_stream_ring": settings.stream_ring,
           "kt_hybrid_cpu_share": settings.hybrid_cpu_share, "kt_rates": settings.rates,
-          "kt_expert_lora_device": lora_device}
+          "kt_expert_lora_device": lora_device, "kt_num_gpu_experts": gpu_experts}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
     chunk_lm_loss(base)  # as ktcore train
     stream = base.ktcore.stream
     if settings.gradient_checkpointing:
         checkpoint_non_experts(base)
+    resident = list((base.ktcore.resident or {}).values())
     backends = {layer.backend for layer in base.ktcore.layers.values()}
     pools = [getattr(b, "num_threads", None) for b in backends]
     common = {"expert_format": expert_format, "placement": placement, "expert_lora_device": lora_device,
@@ -455,9 +457,13 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
               "backend_threads": max((n for n in pools if n), default=None),
               "torch_threads": torch.get_num_threads(),
               # host memory of the packed routed experts (for a GGUF: the file's blocks, mapped)
-              "expert_gib": base.ktcore.packed_bytes / GIB}
+              "expert_gib": base.ktcore.packed_bytes / GIB,
+              # kt_num_gpu_experts: per layer; their device buffers and the host copy they are refreshed from
+              "gpu_experts": gpu_experts, "gpu_experts_gib": sum(r.device_bytes for r in resident) / GIB,
+              "gpu_experts_host_gib": sum(r.host_bytes for r in resident) / GIB}
     # without expert LoRA its device makes no difference: timed once, by the model-device run when there is one
-    lora_off = settings.expert_lora_off and (lora_device == "model" or "model" not in settings.expert_lora_devices)
+    lora_off = settings.expert_lora_off and (lora_device == "model" or "model" not in settings.expert_lora_devices) \
+        and gpu_experts == min(settings.num_gpu_experts)
     variants = ([False] if lora_off else []) + [True]
     for tokens in settings.tokens:
         # the backend alone on whole layers: a figure of the cpu placement (a hybrid layer's backend has a share)
@@ -466,6 +472,7 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
         step_off = None
         for expert_lora in variants:
             run = (("ktcore" if placement == "cpu" else f"ktcore {placement}")
+                   + (f", {gpu_experts} experts resident" if gpu_experts else "")
                    + ("" if expert_lora else ", no expert LoRA")
                    + (", expert LoRA on host" if expert_lora and lora_device == "host" else ""))
             model = None
@@ -476,6 +483,7 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                 model.train()
                 _reset_peaks(device)
                 copied = stream.copied_bytes if stream else 0
+                copied_resident, refreshes = (sum(r.copied_bytes for r in resident), sum(r.refreshes for r in resident))
                 with attach(base) as timeline:
                     timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True)
                 step_s = timed["step_s"]
@@ -483,6 +491,10 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                 # host-to-device expert bytes per step (gpu_stream), and the pinned-bandwidth bound they set
                 split["h2d_gb"] = ((stream.copied_bytes - copied) / (settings.warmup + settings.steps) / 1e9
                                    if stream else 0.0)
+                if resident:  # kt_num_gpu_experts: the resident experts' refresh copies, per step
+                    split["h2d_gb"] = ((sum(r.copied_bytes for r in resident) - copied_resident)
+                                       / (settings.warmup + settings.steps) / 1e9)
+                    split["gpu_experts_refreshes"] = sum(r.refreshes for r in resident) - refreshes
                 if not expert_lora:
                     step_off = step_s
                 elif step_off is not None:
@@ -640,9 +652,11 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
         models = {"bf16": model_dir, **write_gguf_models(model_dir, quantised, scratch)}
         bf16_loss = None
         for fmt in settings.expert_formats:
+            # kt_num_gpu_experts goes with the cpu placement only (the others refuse it)
             for row in (r for placement in settings.placements for lora_device in settings.expert_lora_devices
+                        for n in settings.num_gpu_experts if n == 0 or placement == "cpu"
                         for r in run_ktcore(settings, models[fmt], fmt, None if fmt == "bf16" else GGUF_BACKEND,
-                                            placement, lora_device)):
+                                            placement, lora_device, n)):
                 if row["run"] == LOSS_RUN and row["error"] is None:
                     if fmt == "bf16":
                         bf16_loss = row["loss_last"]
@@ -666,6 +680,8 @@ COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), (
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
            ("peak_host_gib", "peak host GiB"), ("expert_gib", "expert GiB"), ("host_lora_gib", "host LoRA GiB"),
+           ("gpu_experts_gib", "gpu experts GiB"), ("gpu_experts_host_gib", "their host copy GiB"),
+           ("gpu_experts_refreshes", "refreshes"),
            ("resident_gib", "resident GiB"),
            ("activations_gib", "activations GiB"), ("layers_peak_gib", "layers peak"), ("loss_peak_gib", "loss peak"),
            ("backward_peak_gib", "backward peak"), ("peak_phase", "peak in"), ("loss_first", "loss first"),

@@ -454,12 +454,15 @@ def _share(text: str) -> float:
               help="kt_rates of the auto and re-balanced hybrid runs (default: measured at load)")
 @click.option("--stream-ring", default=2, show_default=True, type=click.IntRange(min=1),
               help="kt_stream_ring of the gpu_stream runs")
+@click.option("--num-gpu-experts", "num_gpu_experts", default="0", show_default=True,
+              help="comma list of kt_num_gpu_experts values (experts per MoE layer resident on the GPU), each cpu "
+                   "run side by side (e.g. 0,8,16)")
 @click.option("--expert-lora-device", "lora_devices", default="model", show_default=True,
               help="comma list of kt_expert_lora_device values, each run side by side (model, host)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
                 expert_lora_off, baseline, kernel_seconds, expert_formats, loss_steps, model_dir, workdir, keep, on_cpu,
-                placements, stream_ring, hybrid_cpu_share, rates_path, lora_devices, as_json):
+                placements, stream_ring, num_gpu_experts, hybrid_cpu_share, rates_path, lora_devices, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
@@ -484,6 +487,12 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
                         placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring,
                         hybrid_cpu_share=share, rates=rates_path,
                         expert_lora_devices=tuple(d.strip() for d in lora_devices.split(",")))
+    try:
+        settings.num_gpu_experts = tuple(int(n) for n in num_gpu_experts.split(","))
+    except ValueError:
+        settings.num_gpu_experts = (-1,)
+    if any(n < 0 for n in settings.num_gpu_experts):
+        raise click.UsageError(f"--num-gpu-experts {num_gpu_experts}: a comma list of integers >= 0 (0: none)")
     unknown = [p for p in settings.placements if p not in ("cpu", "gpu_stream", "hybrid", "auto")]
     if unknown:
         raise click.UsageError(f"--placement {','.join(unknown)}: bench train runs cpu, gpu_stream, hybrid and auto")

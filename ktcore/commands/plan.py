@@ -56,7 +56,10 @@ def run(cfg, rates: Rates, tokens: list[int], gpu_mem: Optional[float] = None, h
         setting = Setting(tokens=t, lora_rank=cfg.lora_rank, weight_format=fmt,
                           recompute=kt.kt_cpu_activation == "recompute", cache_depth=kt.kt_max_cache_depth,
                           ring=kt.kt_stream_ring,
-                          gradient_checkpointing=cfg.gradient_checkpointing)
+                          gradient_checkpointing=cfg.gradient_checkpointing,
+                          gpu_experts=kt.kt_num_gpu_experts, gpu_experts_interval=kt.kt_gpu_experts_interval,
+                          # the torch backend's packed experts are HF's layout: the resident ones come from them
+                          resident_host_copy=kt.kt_backend != "torch")
         result = plan(shape, setting, rates)
         steps.append({"tokens": t, "auto": result["auto"],
                       "auto_choice": result["costs"]["auto"].choice if "auto" in result["costs"] else result["auto"],

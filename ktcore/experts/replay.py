@@ -4,7 +4,9 @@
 back what its other pieces saved. The routed experts' own backward needs nothing from that re-run (the backend
 kept its activations, or recomputes them itself: ``kt_cpu_activation``), so the re-run must not compute them on
 the CPU again: ``contexts`` (a ``context_fn`` for ``torch.utils.checkpoint``) records each experts call's output
-during the forward and hands the same tensors back, in order, during the recomputation.
+during the forward and hands the same tensors back, in order, during the recomputation. A call that decides
+something in its forward the recomputation must repeat (which experts are resident on the device:
+``model/resident.py``) keeps it on the same tape (``keep``, ``kept``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Tape:
     def __init__(self):
         self.outputs: list[torch.Tensor] = []
         self.replayed = 0
+        self.decisions: list = []
+        self.repeated = 0
 
 
 @contextmanager
@@ -64,3 +68,21 @@ def record(y: torch.Tensor) -> None:
     active = getattr(_state, "active", None)
     if active is not None and active[0] == "record":
         active[1].outputs.append(y)
+
+
+def keep(decision) -> None:
+    """Keep a call's decision for the recomputation when called inside a checkpointed layer's forward."""
+    active = getattr(_state, "active", None)
+    if active is not None and active[0] == "record":
+        active[1].decisions.append(decision)
+
+
+def kept():
+    """The decision the forward kept (``keep``) for this call while a checkpointed layer is recomputed, else None."""
+    active = getattr(_state, "active", None)
+    if active is None or active[0] != "replay":
+        return None
+    tape = active[1]
+    decision = tape.decisions[tape.repeated]
+    tape.repeated += 1
+    return decision

@@ -69,8 +69,9 @@ def check_backend(cfg: TrainConfig, training: bool = True) -> None:
 
 
 def check_lora_target(cfg: TrainConfig, model_path: Path) -> None:
-    """Every ``lora_target`` name is a module of the model, checked on the model built from its config on the
-    meta device (config.json or the GGUF header: no weight is read)."""
+    """Every ``lora_target`` name is a module of the model, and with use_kt every layer's kt_num_gpu_experts below
+    its expert count, checked on the model built from its config on the meta device (config.json or the GGUF
+    header: no weight is read)."""
     from ..model.peft_expert_lora import lora_targets
     from ..model.wrap import find_arch
     from ..weights.loading import meta_model_of
@@ -85,6 +86,14 @@ def check_lora_target(cfg: TrainConfig, model_path: Path) -> None:
         lora_targets(meta, find_arch(hf_config), cfg.lora_target)
     except ValueError as exc:
         raise ConfigError(f"{cfg.where_of('lora_target')}: {exc}") from exc
+    if cfg.use_kt:  # on the same meta model: each layer keeps fewer experts resident than it has
+        from ..model.arch import expert_modules
+        from ..model.wrap import check_resident
+
+        try:
+            check_resident(expert_modules(meta, find_arch(hf_config)), cfg.kt)
+        except ValueError as exc:
+            raise ConfigError(f"{cfg.where_of('kt_config.kt_num_gpu_experts')}: {exc}") from exc
 
 
 class StepRecorder:

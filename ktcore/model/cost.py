@@ -15,6 +15,8 @@ Placements of the routed experts:
 * ``hybrid``: each layer's experts are split so the CPU's share (after the layer's attention) and the GPU's
   streamed share finish together.
 * ``gpu``: all experts resident on the GPU (transformers' own kernels): the yardstick, when it fits.
+* ``cpu_resident`` (only with ``kt_num_gpu_experts`` N): ``cpu`` with N experts of each layer resident on the GPU
+  (``model/resident.py``), which computes their token-slots beside the CPU's share.
 
 The constants below were fitted to ``ktcore bench train`` runs on the H200 machine (benchmarks/RESULTS.md,
 DeepSeek-V2-Lite shape, 27 layers, amx_bf16, 2K and 8K tokens/step): they reproduce its peak host memory
@@ -104,6 +106,9 @@ class Setting:
     cache_depth: int = 64  # kt_max_cache_depth
     ring: int = 2  # gpu_stream: layers of experts the GPU ring holds
     gradient_checkpointing: bool = False
+    gpu_experts: int = 0  # kt_num_gpu_experts: experts per layer resident on the GPU beside the cpu placement
+    gpu_experts_interval: int = 8  # kt_gpu_experts_interval: forward calls between two choices of them
+    resident_host_copy: bool = True  # the resident experts come from a bf16 host copy (not the backend's own)
 
 
 def touched_experts(shape: ModelShape, tokens: int) -> float:
@@ -191,10 +196,12 @@ def hybrid_share(cpu_s: float, copy_s: float, compute_s: float, dense_layer_s: f
     return best, times.at(best)
 
 
-def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_slot_share: float) -> float:
+def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_slot_share: float,
+                held_once: float = 0.0) -> float:
     """Peak GPU bytes: weights, LoRA state, activations, and the routed experts' own when the GPU computes them
-    (an expert on the GPU counts twice: PEFT's ``W + scaling * B @ A`` is a second copy, kept for backward)."""
-    weights = (shape.non_expert_params + 2 * resident_experts * shape.expert_params) * GPU_WEIGHT_BYTES
+    (an expert on the GPU counts twice: PEFT's ``W + scaling * B @ A`` is a second copy, kept for backward;
+    ``held_once`` experts once: kt_num_gpu_experts' buffers, whose LoRA-added copy is rebuilt in backward)."""
+    weights = (shape.non_expert_params + (2 * resident_experts + held_once) * shape.expert_params) * GPU_WEIGHT_BYTES
     lora = shape.lora_params_per_rank * s.lora_rank * LORA_STATE_BYTES
     per_layer = shape.hidden * (4 if s.gradient_checkpointing else ACTIVATION_BYTES_PER_HIDDEN)
     acts = s.tokens * (shape.layers * per_layer + shape.vocab * LOGIT_BYTES)
@@ -222,8 +229,8 @@ def _host_memory(shape: ModelShape, s: Setting, cpu_share: float, packed_share: 
 
 
 def _cost(placement, shape, s, rates, step_s, expert_s, cpu_share, resident, gpu_slot_share, copy_bytes,
-          packed_share=None, pinned_share=None, choice=""):
-    gpu = _gpu_memory(shape, s, resident, gpu_slot_share) / GIB
+          packed_share=None, pinned_share=None, choice="", held_once=0.0):
+    gpu = _gpu_memory(shape, s, resident, gpu_slot_share, held_once) / GIB
     host = _host_memory(shape, s, cpu_share, packed_share, pinned_share) / GIB
     why = []
     if rates.gpu_mem_gib is not None and gpu > rates.gpu_mem_gib:
@@ -255,6 +262,25 @@ def fewest_cpu_experts(shape: ModelShape, s: Setting, rates: Rates, lo: int, hi:
         if _gpu_memory(shape, s, (1 - share) * ring, 1 - share) / GIB <= rates.gpu_mem_gib:
             return n
     return hi
+
+
+def resident_cost(shape: ModelShape, s: Setting, rates: Rates) -> StepCost:
+    """``cpu`` with ``s.gpu_experts`` (N) experts of each layer resident on the GPU: the GPU computes their
+    token-slots while the CPU computes the rest. At the uniform routing the model assumes they get N/E of the
+    slots (the most used experts get more: a lower bound of their share). GPU memory: their weights once per layer
+    plus one layer's LoRA-added copy; host: every expert packed, and a bf16 copy of them all to refresh from unless
+    the backend's packed experts are that (``resident_host_copy``); copies: N experts per layer at each choice
+    (every ``gpu_experts_interval`` steps at most)."""
+    n, layers = s.gpu_experts, shape.moe_layers
+    share = n / shape.experts
+    dense = gpu_dense_s(shape, s, rates)
+    cpu = (1 - share) * cpu_layer_s(shape, s, rates)
+    gpu = share * expert_flops(shape, s.tokens) / (rates.gpu_tflops * 1e12)
+    experts = layers * max(cpu, gpu)
+    refresh_bytes = layers * n * shape.expert_params * GPU_WEIGHT_BYTES / s.gpu_experts_interval
+    return _cost("cpu_resident", shape, s, rates, dense + experts, experts, 1 - share, 0, share, refresh_bytes,
+                 packed_share=1.0, pinned_share=1.0 if s.resident_host_copy else 0.0,
+                 choice=f"cpu, {n}/{shape.experts} experts resident", held_once=(layers + 1) * n)
 
 
 def choice_name(n: int, experts: int) -> str:
@@ -337,6 +363,8 @@ def plan(shape: ModelShape, s: Setting, rates: Rates) -> dict:
         cpu = predict(shape, s, rates, "cpu")
         return {"costs": {"cpu": cpu}, "auto": "cpu" if cpu.fits else None}
     costs = {p: predict(shape, s, rates, p) for p in PLACEMENTS}
+    if s.gpu_experts:
+        costs["cpu_resident"] = resident_cost(shape, s, rates)
     auto = costs["auto"]
     return {"costs": costs, "auto": auto.choice.split(" ")[0] if auto.fits else None}
 

@@ -163,6 +163,19 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
     experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
     if stream.ring >= len(stream.host):  # every layer stays on the device: nothing to stream again
         return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)
+
+    def refetch(part):
+        return _with_lora(stream.fetch(index, -1, first)[part].to(hidden_states.dtype), factors[part])
+
+    with rebuilt_in_backward(weights, refetch):
+        return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)
+
+
+def rebuilt_in_backward(weights: tuple, rebuild: Callable[[int], torch.Tensor]):
+    """Saved-tensor hooks under which autograd keeps a note in place of every tensor that is (a view of) one of
+    ``weights`` (gate_up, down), and backward gets it from ``rebuild(part)`` again, so a layer's device weights
+    (with LoRA added) are not held from its forward to its backward. ``rebuild`` runs without grad; the LoRA factors
+    have not changed since the forward (the optimizer steps after the backward)."""
     storages = [w.untyped_storage().data_ptr() for w in weights]
 
     def pack(t):
@@ -174,10 +187,8 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
     def unpack(saved):
         if not isinstance(saved, _Refetch):
             return saved
-        with torch.no_grad():  # the factors have not changed since the forward (the optimizer steps after)
-            weight = stream.fetch(index, -1, first)[saved.part].to(hidden_states.dtype)
-            full = _with_lora(weight, factors[saved.part])
+        with torch.no_grad():
+            full = rebuild(saved.part)
         return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -22,8 +22,9 @@ from .auto import AutoLayer, AutoPoint, AutoWindow, auto_forward, make_auto
 from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
-from .placement import parse_rules, place
+from .placement import num_gpu_experts, parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
+from .resident import attach as attach_resident, check_count, resident_forward
 from .stream import GPU_EXPERTS_IMPLEMENTATION, ExpertStream, streamed_forward
 
 if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
@@ -47,6 +48,9 @@ def ktcore_experts_forward(self, hidden_states, top_k_index, top_k_weights):
                               top_k_index, top_k_weights)
     if streamed is not None:  # gpu_stream: host experts copied to the model's device for this call
         return streamed_forward(self, *streamed, hidden_states, top_k_index, top_k_weights, expert_lora_of(self))
+    resident = self.__dict__.get("_ktcore_resident")
+    if resident is not None:  # cpu, with kt_num_gpu_experts of them resident on the model's device
+        return resident_forward(self, layer, resident, hidden_states, top_k_index, top_k_weights)
     if layer is None:
         if is_placeholder(self.gate_up_proj):
             raise RuntimeError(f"{type(self).__name__}: experts were never moved into a backend; build the model "
@@ -76,6 +80,7 @@ class WrapInfo:
     stream: Optional[ExpertStream] = None  # the experts placed gpu_stream or hybrid (stream.host), in model order
     streamed: tuple = ()  # experts module names with (some of) their experts in the stream
     auto: Optional[object] = None  # the AutoPlacement of the auto (and re-balanced hybrid) layers
+    resident: Optional[dict] = None  # experts module name -> ResidentExperts (kt_num_gpu_experts), in model order
 
     @property
     def packed_bytes(self) -> int:
@@ -149,6 +154,7 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
                          f"{type(model).__name__}")
     for _, name, module in modules:
         check_experts_module(module, name, arch)
+    check_resident(modules, kt)
     if kt.kt_rates:  # read now: a bad file is one line before any weight
         from .cost import load_rates
 
@@ -157,15 +163,35 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
     return arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
+def check_resident(modules, kt: KTConfig) -> None:
+    """Every layer's kt_num_gpu_experts (or its rule's num_gpu_experts) is below its expert count (the
+    combinations are checked with the config); ``modules`` may be on the meta device."""
+    rules = parse_rules(kt.kt_placement, "kt_config")
+    for _, name, module in modules:
+        n = num_gpu_experts(place(name, rules, kt.kt_backend, kt.kt_expert_placement), kt.kt_num_gpu_experts)
+        if n:
+            check_count(n, getattr(module, "num_experts", 1), name)
+
+
+@dataclass(frozen=True)
+class Resident:
+    """plan_placement's value for a layer on a CPU ``backend`` keeping ``n`` experts resident on the model's
+    device (``model/resident.py``)."""
+
+    backend: object
+    n: int
+
+
 STREAM = "gpu_stream"  # plan_placement's value for a layer streamed to the model's device
 HYBRID = "hybrid"  # ... for a layer split between the default backend and the stream at kt_hybrid_cpu_share
 
 
 def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool = True, model=None,
                    device=None) -> dict:
-    """experts module name -> the backend computing it, None for a layer kept on the model's device, STREAM,
-    HYBRID, or an AutoWindow for an auto layer and a hybrid one without kt_hybrid_cpu_share (re-balanced);
-    ``model`` (on any device, meta included) and the ``device`` it will compute on are needed for those."""
+    """experts module name -> the backend computing it (a Resident of it with kt_num_gpu_experts), None for a layer
+    kept on the model's device, STREAM, HYBRID, or an AutoWindow for an auto layer and a hybrid one without
+    kt_hybrid_cpu_share (re-balanced); ``model`` (on any device, meta included) and the ``device`` it will
+    compute on are needed for those."""
     from ..plugins.select import get_backend
 
     rules = parse_rules(kt.kt_placement, "kt_config")
@@ -187,7 +213,8 @@ def plan_placement(modules, kt: KTConfig, default_backend, need_backward: bool =
         if rule.backend not in backends:
             backends[rule.backend] = get_backend(rule.backend, kt, need_backward=need_backward,
                                                  need_lora=need_backward)
-        plan[name] = backends[rule.backend]
+        n = num_gpu_experts(rule, kt.kt_num_gpu_experts)
+        plan[name] = Resident(backends[rule.backend], n) if n else backends[rule.backend]
     return plan
 
 
@@ -254,8 +281,12 @@ def install_auto(model, name: str, module, weights: ExpertWeights, arch: ArchSpe
 
 def install_cpu(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device, backend, budget,
                 kt, act: str):
+    resident = backend if isinstance(backend, Resident) else None
+    backend = backend.backend if resident else backend
     layer = ExpertLayer(backend, backend.pack(weights, activation=act), budget, kt.kt_cpu_activation, name)
     install_layer(model, name, module, layer, arch, dtype, device)
+    if resident:
+        attach_resident(module, layer, weights, resident.n, kt.kt_gpu_experts_interval, name, dtype, device)
     return layer
 
 
@@ -305,6 +336,8 @@ def finish(model, kt, arch, backend, layers) -> None:
     auto = _build_auto(model, arch, stream, layers)
     streamed = tuple(name for _, name, m in expert_modules(model, arch)
                      if "_ktcore_stream" in m.__dict__ or "_ktcore_auto" in m.__dict__)
+    resident = {name: m.__dict__["_ktcore_resident"] for _, name, m in expert_modules(model, arch)
+                if "_ktcore_resident" in m.__dict__}
     on_gpu = tuple(name for _, name, _ in expert_modules(model, arch) if name not in layers and name not in streamed)
     pattern = experts_pattern(arch)
     whole = {name: layer for name, layer in layers.items() if layer.overlap is None}
@@ -313,7 +346,7 @@ def finish(model, kt, arch, backend, layers) -> None:
     if kt.kt_expert_lora_device == host_lora.HOST:
         host_lora.install(model, whole)
     apply_budget([layer.backend for layer in layers.values()], model.device)
-    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream, streamed, auto)
+    model.__dict__["ktcore"] = WrapInfo(arch, backend, kt, layers, on_gpu, stream, streamed, auto, resident)
 
 
 def wrap_model(model, kt: KTConfig, need_backward: bool = True):

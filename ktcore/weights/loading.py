@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 
 from ..experts import ExpertLayer
 from ..model.auto import AutoWindow
-from ..model.wrap import (HYBRID, STREAM, activation_name, finish, install_auto, install_hybrid, install_layer,
-                          install_resident, install_streamed, plan_placement, prepare)
+from ..model.resident import attach as attach_resident
+from ..model.wrap import (HYBRID, STREAM, Resident, activation_name, finish, install_auto, install_hybrid,
+                          install_layer, install_resident, install_streamed, plan_placement, prepare)
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 from .model_path import record_base
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights, take_fp8_block
@@ -100,9 +101,13 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
     layers = {}
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
+        resident = target if isinstance(target, Resident) else None  # its experts also kept for the device
+        target = resident.backend if resident else target
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
         packed = target.pack_source(sources[name], act) \
             if target not in (None, STREAM, HYBRID) and not isinstance(target, AutoWindow) else None
+        if packed is not None and resident:
+            expert_weights = sources[name].read(dtype)
         if packed is None:
             expert_weights = sources[name].read(dtype)
             if target is None:
@@ -119,10 +124,13 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
                     layers[name] = layer
             else:
                 packed = target.pack(expert_weights, activation=act)
-            del expert_weights
         if packed is not None:
-            layers[name] = ExpertLayer(plan[name], packed, budget, kt.kt_cpu_activation, name)
+            layers[name] = ExpertLayer(target, packed, budget, kt.kt_cpu_activation, name)
             install_layer(model, name, module, layers[name], arch, dtype, device)
+            if resident:
+                attach_resident(module, layers[name], expert_weights, resident.n, kt.kt_gpu_experts_interval, name,
+                                dtype, device)
+        expert_weights = None  # one layer's dense experts at a time
         if hasattr(sources[name], "done"):  # the layer is loaded: an ephemeral store deletes its files
             sources.pop(name).done()
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]

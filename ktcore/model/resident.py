@@ -1,0 +1,208 @@
+"""``kt_num_gpu_experts``: a ``cpu`` MoE layer keeps its N most used experts resident on the model's device.
+
+Per MoE layer (KTransformers' ``--kt-num-gpu-experts`` counts experts kept on the GPU; here the count is per layer,
+so a model keeps N x its MoE layers experts resident). The CPU backend still packs all E experts; N of them are
+also in a buffer on the model's device, in HF's layout (gate_up [N, 2I, H], down [N, H, I]), computed there by
+transformers' grouped experts kernel with expert LoRA added as PEFT adds it (the stream's code path,
+``model/stream.py``); the LoRA factors of those N experts are gathered from PEFT's parameters with ``index_select``,
+so their gradients reach PEFT's own tensors. Each token-slot goes to one side: a resident expert's slots carry the
+backend's "no expert" id (E) for the CPU, every other slot the kernel's (N) on the device, and the outputs add up.
+On a GPU the CPU share is submitted first and collected after the device's share is enqueued (``HybridPoint``),
+so both run at once, forward and backward.
+
+Which experts. Each call adds its token-slots per expert to a float counter on the model's device
+(``index_add_``: no host synchronisation; ``bincount`` would read the largest id back). Every
+``kt_gpu_experts_interval`` forward calls the layer copies the counts to pinned host memory without waiting, halves
+them (so the last interval weighs as much as all before it), and at its next call, once that copy has landed
+(it has: a whole step ran since), takes the N experts with the most slots (ties: those resident already, then
+the lower id) and, when they differ, copies their weights into a new device buffer. A new buffer, not the old one
+overwritten: the old set stays intact for a backward that still needs it. The interval counts forward calls
+(micro-batches), not optimizer steps: a layer sees its calls, and neither the frontend's step nor gradient
+accumulation change what is resident-worthy. At the default of 8 a refresh copies at most N experts per layer
+every 8 calls (Qwen3-30B-A3B, N = 16: 150 MB, ~3 ms at 55 GB/s, against a step of seconds), and 8 calls' routing
+of thousands of tokens is a steady count. A checkpointed layer recomputed in backward takes the set its forward
+used (kept on the recomputation's tape, ``experts.replay``); recomputed calls are not counted again.
+
+Where the resident weights come from. When the backend's packed experts are HF's layout in host memory (the
+torch backend), a refresh gathers the chosen experts from them: no second host copy. Other backends pack their
+own formats (amx_bf16's tiles, int8 codes, GGUF blocks) that no kernel here reads, so the layer keeps a host copy
+of its experts in the model's dtype (pinned with a GPU), counted in ``host_bytes``: host RAM holds the experts
+twice, as ``auto`` placement's does. Re-reading them from the checkpoint instead is not done: the checkpoint is
+closed after loading (an ephemeral store deleted), and a refresh would read the disk in the training loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..experts import ExpertWeights, replay
+from .hybrid import HybridPoint
+from .peft_expert_lora import expert_lora_of
+from .stream import GPU_EXPERTS_IMPLEMENTATION, _WeightsOf, _with_lora, rebuilt_in_backward
+
+DECAY = 0.5  # counts are multiplied by this at each choice: the last interval weighs as much as all before it
+
+
+def check_count(n: int, experts: int, name: str) -> None:
+    """One line, before any weight is read, when a layer cannot keep ``n`` of its ``experts`` resident."""
+    if n >= experts:
+        raise ConfigError(f"{name}: kt_num_gpu_experts {n} needs fewer than the layer's {experts} experts; set it "
+                          f"to 1..{experts - 1} (all {experts} on the GPU: kt_placement device: gpu)")
+
+
+def top_experts(counts: Sequence[float], n: int, current: Sequence[int] = ()) -> tuple[int, ...]:
+    """The ``n`` experts with the most token-slots, ascending; a tie goes to an expert already resident (no copy
+    for nothing), then to the lower id."""
+    held = set(current)
+    order = sorted(range(len(counts)), key=lambda e: (-counts[e], e not in held, e))
+    return tuple(sorted(order[:n]))
+
+
+@dataclass(frozen=True)
+class ResidentSet:
+    """One choice of resident experts and their weights on the model's device."""
+
+    ids: tuple  # the resident experts, ascending
+    ids_device: torch.Tensor  # the same, [N] long on the device
+    slot_of: torch.Tensor  # [E] long on the device: an expert's row in the buffers, N for the CPU's experts
+    weights: tuple  # gate_up [N, 2I, H], down [N, H, I] on the device, in the model's dtype
+
+
+class ResidentExperts:
+    """One layer's resident experts, its counts and its pending choice."""
+
+    def __deepcopy__(self, memo):
+        return self  # a deep-copied model shares its ExpertLayers, and so their resident experts
+
+    def __init__(self, name: str, host: tuple, n: int, interval: int, device, dtype, own_copy: bool):
+        self.name, self.n, self.interval = name, n, interval
+        self.device, self.dtype = torch.device(device), dtype
+        self.host = host  # gate_up [E, 2I, H], down [E, H, I] in host memory
+        self.host_bytes = sum(t.numel() * t.element_size() for t in host) if own_copy else 0
+        self.experts = host[0].shape[0]
+        self.counts = torch.zeros(self.experts, dtype=torch.float32, device=self.device)
+        self.calls = 0  # counted calls since the last snapshot of the counts
+        self.pending: Optional[tuple] = None  # (counts in host memory, the event their copy recorded)
+        self.refreshes = 0  # choices that changed the set (the bench and the tests read it)
+        self.copied_bytes = 0  # host-to-device bytes of resident experts so far (the bench reads it)
+        self.current = self._build(tuple(range(n)))  # until the first choice: the first N
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.current.weights)
+
+    def _build(self, ids: tuple) -> ResidentSet:
+        index = torch.tensor(ids, dtype=torch.long)
+        slot_of = torch.full((self.experts,), self.n, dtype=torch.long)
+        slot_of[index] = torch.arange(self.n)
+        cuda = self.device.type == "cuda"
+        weights = []
+        for t in self.host:
+            # gathered into pinned memory, so the copy to the device runs without holding up the host
+            rows = torch.empty((self.n, *t.shape[1:]), dtype=t.dtype, pin_memory=cuda)
+            torch.index_select(t, 0, index, out=rows)
+            weights.append(rows.to(self.device, non_blocking=True).to(self.dtype) if cuda else rows.to(self.dtype))
+        self.copied_bytes += sum(t.numel() * t.element_size() for t in weights) if cuda else 0
+        # the ids pinned too: a copy from pageable memory would wait for everything queued on the device
+        small = [t.pin_memory() if cuda else t for t in (index, slot_of)]
+        index_device, slot_of = (t.to(self.device, non_blocking=True) for t in small)
+        return ResidentSet(ids, index_device, slot_of, tuple(weights))
+
+    def choose(self) -> ResidentSet:
+        """The set this call computes with: a new one when a snapshot of the counts has landed."""
+        if self.pending is not None:
+            counts, event = self.pending
+            if event is None or event.query():
+                self.pending = None
+                ids = top_experts(counts.tolist(), self.n, self.current.ids)
+                if ids != self.current.ids:
+                    self.current = self._build(ids)
+                    self.refreshes += 1
+        return self.current
+
+    def count(self, top_k_index: torch.Tensor) -> None:
+        """Add a call's token-slots per expert; every ``interval`` calls, start copying the counts to the host."""
+        ids = top_k_index.reshape(-1)
+        self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.counts.dtype))
+        self.calls += 1
+        if self.calls < self.interval:
+            return
+        cuda = self.device.type == "cuda"
+        snapshot = torch.empty(self.experts, dtype=self.counts.dtype, pin_memory=cuda)
+        snapshot.copy_(self.counts, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.counts.mul_(DECAY)
+        self.calls = 0
+        self.pending = (snapshot, event)
+
+
+def host_experts(layer, weights: ExpertWeights, dtype, pinned: bool) -> tuple[tuple, bool]:
+    """((gate_up [E, 2I, H], down [E, H, I]) in host memory, whether that is a copy of its own): the backend's
+    packed experts when they are that layout (the torch backend's), else a copy in ``dtype``."""
+    packed = layer.packed
+    gate_up, down = getattr(packed, "gate_up", None), getattr(packed, "down", None)
+    e, i, h = weights.gate.shape
+    if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and \
+            tuple(gate_up.shape) == (e, 2 * i, h) and tuple(down.shape) == (e, h, i) and \
+            gate_up.device.type == "cpu" and gate_up.is_floating_point():
+        return (gate_up, down), False
+    gate_up = torch.cat([weights.gate, weights.up], dim=1).to("cpu", dtype).contiguous()
+    down = weights.down.to("cpu", dtype).contiguous()
+    if pinned:
+        gate_up, down = gate_up.pin_memory(), down.pin_memory()
+    return (gate_up, down), True
+
+
+def attach(module, layer, weights: ExpertWeights, n: int, interval: int, name: str, dtype, device) -> None:
+    """Make a cpu layer (``layer`` packs all its experts) keep ``n`` of them resident on ``device``."""
+    if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
+        raise ValueError(f"{name}: kt_num_gpu_experts with transposed or interleaved experts is not supported yet; "
+                         "set kt_num_gpu_experts: 0 for this layer")
+    device = torch.device(device)
+    host, own = host_experts(layer, weights, dtype, pinned=device.type == "cuda")
+    layer.overlap = HybridPoint()  # the CPU share returns at once on a GPU, collected after the device's share
+    module.__dict__["_ktcore_resident"] = ResidentExperts(name, host, n, interval, device, dtype, own)
+
+
+def resident_forward(module, layer, resident: ResidentExperts, hidden_states, top_k_index, top_k_weights):
+    """One call: the CPU backend's share submitted first, the resident experts' share enqueued beside it."""
+    chosen = replay.kept() if replay.recomputing() else None
+    if chosen is None:
+        chosen = resident.choose()
+        resident.count(top_k_index)
+        replay.keep(chosen)
+    lora = expert_lora_of(module)
+    slot = chosen.slot_of[top_k_index]  # each slot's row among the resident experts, N for the CPU's
+    y_cpu = layer(hidden_states, torch.where(slot < resident.n, module.num_experts, top_k_index), top_k_weights, lora)
+    y_gpu = resident_share(module, chosen, hidden_states, slot, top_k_weights, lora)
+    return layer.overlap.collect(y_cpu) + y_gpu
+
+
+def resident_share(module, chosen: ResidentSet, hidden_states, slot, top_k_weights, lora):
+    """The resident experts' share: their LoRA factors gathered (differentiably) from the layer's, added to their
+    weights, transformers' grouped kernel; autograd keeps a note, not the weights with LoRA added, for backward."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ids = chosen.ids_device
+
+    def gathered(a, b, scale):
+        return None if a is None else (b.index_select(0, ids), a.index_select(0, ids), scale)
+
+    factors = (None, None) if lora is None else (gathered(lora.gate_up_a, lora.gate_up_b, lora.gate_up_scale),
+                                                 gathered(lora.down_a, lora.down_b, lora.down_scale))
+    dtype = hidden_states.dtype
+
+    def rebuild(part):
+        return _with_lora(chosen.weights[part].to(dtype), factors[part])
+
+    weights = (rebuild(0), rebuild(1))
+    experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
+    with rebuilt_in_backward(weights, rebuild):
+        return experts(_WeightsOf(module, *weights), hidden_states, slot, top_k_weights)

@@ -1,0 +1,316 @@
+"""``kt_num_gpu_experts`` (``ktcore/model/resident.py``): a cpu layer's most used experts resident on the model's
+device. On the CPU the model's device is the CPU, so the same code runs without pinned copies or events: the
+counts, the choice, the id remap of both shares, the gathered LoRA factors and the saved-tensor hooks. Routing is
+skewed by a hook on the experts modules (the same in both models), so the test knows which experts must become
+resident."""
+
+import copy
+import types
+
+import pytest
+import torch
+from archs import MOE_LAYERS, tiny_model
+from ktcore_tiny import tiny_qwen3_moe
+from peft import get_peft_model
+from test_equivalence import (assert_as_close_as_plain_bf16, assert_same_training_signal, batch, lora_config,
+                              lora_grads, peft_pair, tiny_model_of)
+
+import ktcore
+from ktcore.errors import ConfigError
+from ktcore.model import resident as resident_module
+from ktcore.model.checkpointing import checkpoint_non_experts
+from ktcore.model.placeholder import is_placeholder
+from ktcore.model.resident import DECAY, ResidentExperts, top_experts
+from ktcore.testing import relative_error
+
+
+def with_resident(model, n=2, interval=1, **kt):
+    return ktcore.wrap_model(model, {"kt_config": {"kt_backend": "torch", "kt_num_gpu_experts": n,
+                                                   "kt_gpu_experts_interval": interval, **kt}})
+
+
+def skew(model, hot: list, family="qwen3_moe") -> None:
+    """Every token's first expert becomes ``hot[0]`` (its second stays a different one) in every MoE layer."""
+    def pre(module, args):
+        hidden, idx, weights = args
+        first = torch.full_like(idx[:, 0], hot[0])
+        second = torch.where(idx[:, 1] == hot[0], idx[:, 0], idx[:, 1])
+        return hidden, torch.stack([first, second], dim=1), weights
+
+    for i in MOE_LAYERS[family]:
+        model.model.layers[i].mlp.experts.register_forward_pre_hook(pre)
+
+
+def pair(n=2, interval=1, checkpointing=False):
+    """(cpu placement, kt_num_gpu_experts=n) PEFT models of the same weights and adapter, routing skewed by
+    the returned list's expert."""
+    plain = tiny_qwen3_moe()
+    hot = [5]
+    on_cpu = ktcore.wrap_model(copy.deepcopy(plain), {"kt_backend": "torch"})
+    ours = with_resident(copy.deepcopy(plain), n, interval)
+    for model in (on_cpu, ours):
+        skew(model, hot)
+        if checkpointing:
+            checkpoint_non_experts(model)
+            model.train()  # the checkpointed layers checkpoint only in training
+    a, b = peft_pair(on_cpu, ours)
+    return a, b, ours, hot
+
+
+def sets(model):
+    return [r.current.ids for r in model.ktcore.resident.values()]
+
+
+@pytest.mark.parametrize("source", ["backend", "copy"])
+def test_matches_cpu_placement_across_refreshes(source, monkeypatch):
+    """Loss, logits and every LoRA gradient equal cpu placement's at every step while the resident set moves:
+    first experts 0, 1; after a call routed mostly to expert 5, 5 is resident; after one routed to 3, 3 is.
+    A remap that computed a resident expert's slot on both sides (or neither), stale rows after a refresh, or
+    LoRA factors gathered without gradient would each fail. ``copy``: the host copy a backend whose packed
+    experts are not HF's layout needs (forced here on the torch backend)."""
+    if source == "copy":
+        real = resident_module.host_experts
+        monkeypatch.setattr(resident_module, "host_experts",
+                            lambda layer, *a, **k: real(types.SimpleNamespace(packed=None), *a, **k))
+    a, b, ours, hot = pair()
+    copies = [r.host_bytes for r in ours.ktcore.resident.values()]
+    assert all(copies) if source == "copy" else not any(copies)
+    assert sets(ours) == [(0, 1), (0, 1)]
+    for step, (expert, seed) in enumerate([(5, 1), (5, 2), (3, 3), (3, 4)]):
+        hot[0] = expert
+        assert_same_training_signal(a, b, *batch(seed))
+        if step == 1:
+            assert all(5 in s for s in sets(ours)), sets(ours)  # chosen from step 0's counts
+        if step == 3:
+            assert all(3 in s for s in sets(ours)), sets(ours)
+    assert all(r.refreshes >= 2 for r in ours.ktcore.resident.values())
+
+
+def test_checkpointed_recompute_takes_its_forwards_set(monkeypatch):
+    """Gradient checkpointing with a choice pending at every call: backward recomputes each layer with the set its
+    forward used (kept on the tape). A recompute that took the pending set would add the device's share of other
+    experts to the CPU share replayed from the forward, and the gradients would differ."""
+    a, b, ours, hot = pair(checkpointing=True)
+    recomputed, kept = [], resident_module.replay.kept
+    monkeypatch.setattr(resident_module.replay, "kept", lambda: recomputed.append(1) or kept())
+    for expert, seed in [(5, 1), (3, 2), (5, 3)]:
+        hot[0] = expert
+        before = sets(ours)
+        assert_same_training_signal(a, b, *batch(seed))
+        assert all(r.pending is not None for r in ours.ktcore.resident.values())  # a new set was due
+    assert before != [(0, 1), (0, 1)]
+    assert len(recomputed) == 3 * 2  # the layers were recomputed: 3 steps x 2 MoE layers
+
+
+def test_two_forwards_before_one_backward():
+    """Gradient accumulation's shape: a second forward (which takes a new set) before the first one's backward.
+    Backward must rebuild each call's weights from its own set, not from the layer's current one."""
+    a, b, ours, hot = pair()
+    grads = {}
+    for name, model in (("cpu", a), ("resident", b)):
+        hot[0] = 5
+        model.zero_grad()
+        ids = batch(1)[0]
+        first = model(ids, labels=ids).loss
+        hot[0] = 3
+        ids = batch(2)[0]
+        second = model(ids, labels=ids).loss
+        (first + second).backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert sets(ours) != [(0, 1), (0, 1)]
+    for name, ref in grads["cpu"].items():
+        assert relative_error(grads["resident"][name], ref) <= 1e-4, name
+
+
+def test_top_experts_ties_prefer_the_resident_then_the_lower_id():
+    assert top_experts([1, 9, 3, 9, 0], 2) == (1, 3)
+    assert top_experts([5, 5, 5, 5], 2) == (0, 1)
+    assert top_experts([5, 5, 5, 5], 2, current=(2, 3)) == (2, 3)  # a tie does not move an expert for nothing
+    assert top_experts([5, 5, 6, 5], 2, current=(1, 3)) == (1, 2)  # the resident one of the tied wins
+    assert top_experts([0, 0, 0, 7], 3) == (0, 1, 3)
+
+
+def test_counts_persist_across_calls_and_decay_at_each_choice():
+    """Counts add up over the interval's calls (not just the last call's), are halved when a choice is taken,
+    and the set changes only at the call after the interval ends."""
+    host = (torch.randn(4, 6, 3), torch.randn(4, 3, 3))
+    r = ResidentExperts("layer", host, 1, 3, "cpu", torch.float32, own_copy=True)
+    calls = [torch.tensor([[2, 1]]), torch.tensor([[2, 3], [3, 1]]), torch.tensor([[3, 0]])]
+    for i, ids in enumerate(calls):
+        assert r.choose().ids == (0,)
+        r.count(ids)
+        assert (r.pending is None) == (i < 2)
+    expected = torch.tensor([1.0, 2, 2, 3])
+    assert torch.equal(r.pending[0], expected)
+    assert torch.equal(r.counts, expected * DECAY)
+    assert r.choose().ids == (3,) and r.refreshes == 1
+    assert torch.equal(r.current.weights[0], host[0][3:4]) and torch.equal(r.current.weights[1], host[1][3:4])
+    assert r.current.slot_of.tolist() == [1, 1, 1, 0]  # expert 3 in row 0, the others on the CPU (row N)
+    for ids in calls:  # the next interval: expert 2 overtakes 3 only with the history halved
+        r.count(torch.tensor([[2, 0]]))
+    assert r.choose().ids == (2,)
+
+
+def test_load_model_keeps_experts_resident(tmp_path):
+    """The loading path (experts read from the safetensors into the backend and the resident buffer) against
+    transformers + PEFT."""
+    plain = tiny_model_of("qwen3_moe")
+    plain.save_pretrained(tmp_path / "model")
+    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_num_gpu_experts": 3,
+                                                                "kt_gpu_experts_interval": 1}},
+                             device="cpu", progress=False)
+    assert len(ours.ktcore.resident) == 2 and all(r.n == 3 for r in ours.ktcore.resident.values())
+    a, b = peft_pair(plain, ours)
+    for seed in (11, 12):
+        assert_same_training_signal(a, b, *batch(seed))
+
+
+def test_placement_rule_sets_one_layer():
+    """A rule's num_gpu_experts for one layer; the other layer follows kt_num_gpu_experts (0 here); DeepSeek-V2's
+    shared experts run after the routed ones."""
+    plain = tiny_model("deepseek_v2", seed=6)
+    first, second = MOE_LAYERS["deepseek_v2"][:2]
+    on_cpu = ktcore.wrap_model(copy.deepcopy(plain), {"kt_backend": "torch"})
+    ours = ktcore.wrap_model(copy.deepcopy(plain), {"kt_config": {"kt_backend": "torch", "kt_gpu_experts_interval": 1,
+                                                                  "kt_placement": [{"match": rf"layers\.{first}\.",
+                                                                                    "num_gpu_experts": 2}]}})
+    assert list(ours.ktcore.resident) == [f"model.layers.{first}.mlp.experts"]
+    assert ours.ktcore.layers[f"model.layers.{second}.mlp.experts"].overlap is not None  # shared-experts overlap
+    a, b = peft_pair(on_cpu, ours)
+    for seed in (13, 14):
+        assert_same_training_signal(a, b, *batch(seed))
+
+
+@pytest.mark.parametrize("kt, expected", [
+    ({"kt_num_gpu_experts": -1}, "kt_num_gpu_experts must be an integer >= 0"),
+    ({"kt_num_gpu_experts": 6}, "kt_num_gpu_experts 6 needs fewer than the layer's 6 experts"),
+    ({"kt_gpu_experts_interval": 0, "kt_num_gpu_experts": 1}, "kt_gpu_experts_interval must be an integer >= 1"),
+    ({"kt_num_gpu_experts": 2, "kt_expert_placement": "gpu_stream"}, "works with kt_expert_placement: cpu, not"),
+    ({"kt_num_gpu_experts": 2, "kt_placement": [{"match": "layers", "device": "hybrid"}]},
+     "add num_gpu_experts: 0 to this rule"),
+    ({"kt_placement": [{"match": "layers", "num_gpu_experts": -2}]}, "num_gpu_experts must be an integer >= 0"),
+    ({"kt_placement": [{"match": "layers", "device": "auto", "num_gpu_experts": 1}]}, "works with device: cpu"),
+])
+def test_bad_values_are_one_line_before_any_weight(qwen3_pair, kt, expected):
+    _, ours = qwen3_pair
+    with pytest.raises(ConfigError, match=expected) as info:
+        ktcore.wrap_model(ours, {"kt_config": {"kt_backend": "torch", **kt}})
+    assert "\n" not in str(info.value)
+    assert not is_placeholder(ours.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_a_stream_rule_may_opt_out():
+    """kt_num_gpu_experts for the cpu layers, a gpu_stream rule with num_gpu_experts: 0 for the other."""
+    plain = tiny_qwen3_moe()
+    first, second = MOE_LAYERS["qwen3_moe"][:2]
+    ours = with_resident(copy.deepcopy(plain), 2, kt_placement=[
+        {"match": rf"layers\.{first}\.", "device": "gpu_stream", "num_gpu_experts": 0}])
+    assert list(ours.ktcore.resident) == [f"model.layers.{second}.mlp.experts"]
+    assert ours.ktcore.streamed == (f"model.layers.{first}.mlp.experts",)
+    assert_same_training_signal(*peft_pair(plain, ours), *batch(15))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("source", ["backend", "copy"])
+def test_resident_on_cuda_bf16(tmp_path, family, source, monkeypatch):
+    """Resident experts on CUDA in bf16 (pinned gathers, counts on the device, the CPU share running at the same
+    time), re-chosen at every call: as close to the fp32 truth as plain transformers in bf16 (loss and every LoRA
+    gradient) at each of three steps while routing skewed to expert 5, then 3, moves the sets there (the counts'
+    copy to the host is read once its event has completed: a whole step later, so the choice is not skipped)."""
+    if source == "copy":
+        real = resident_module.host_experts
+        monkeypatch.setattr(resident_module, "host_experts",
+                            lambda layer, *a, **k: real(types.SimpleNamespace(packed=None), *a, **k))
+    plain = tiny_model_of(family)
+    plain.save_pretrained(tmp_path / "model")
+    truth = copy.deepcopy(plain).to("cuda")
+    plain_bf16 = copy.deepcopy(plain).to("cuda", torch.bfloat16)
+    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_num_gpu_experts": 2,
+                                                                "kt_gpu_experts_interval": 1}},
+                             device="cuda", dtype=torch.bfloat16, progress=False)
+    resident = list(ours.ktcore.resident.values())
+    assert resident and all(r.current.weights[0].is_cuda and r.counts.is_cuda for r in resident)
+    assert all(t.is_pinned() for r in resident for t in r.host) == (source == "copy")
+    hot = [5]
+    for model in (truth, plain_bf16, ours):
+        skew(model, hot, family)
+    truth, plain_bf16 = peft_pair(truth, plain_bf16)
+    torch.manual_seed(7)
+    ours = get_peft_model(ours, lora_config())
+    for expert, seed in [(5, 8), (3, 9), (3, 10)]:
+        hot[0] = expert
+        ids, mask = (t.cuda() for t in batch(seed))
+        assert_as_close_as_plain_bf16(truth, plain_bf16, ours, ids, mask)
+        torch.cuda.synchronize()
+        if seed == 9:
+            assert all(5 in r.current.ids for r in resident)
+    assert all(3 in r.current.ids for r in resident)
+
+
+def test_disabled_adapter_and_host_lora_elsewhere():
+    """``disable_adapter()`` switches the resident experts' LoRA off too (the base logits), and with
+    ``kt_expert_lora_device: host`` a layer with resident experts keeps its factors with the model (the GPU
+    reads them) while the signal stays cpu placement's."""
+    plain = tiny_qwen3_moe()
+    base = plain(batch()[0]).logits
+    on_cpu = ktcore.wrap_model(copy.deepcopy(plain), {"kt_backend": "torch"})
+    ours = with_resident(copy.deepcopy(plain), 2, kt_expert_lora_device="host")
+    a, b = peft_pair(on_cpu, ours)
+    with torch.no_grad(), b.disable_adapter():
+        assert relative_error(b(batch()[0]).logits, base) <= 1e-5
+    for seed in (16, 17):
+        assert_same_training_signal(a, b, *batch(seed))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_counting_and_choosing_never_synchronise_on_cuda():
+    """The counts stay on the device and reach the host by a copy nobody waits for; a choice copies the new set
+    from pinned memory: torch's sync debug mode raises on any synchronising call among them."""
+    host = (torch.randn(8, 6, 4, dtype=torch.bfloat16), torch.randn(8, 4, 3, dtype=torch.bfloat16))
+    r = ResidentExperts("layer", host, 2, 1, "cuda", torch.bfloat16, own_copy=False)
+    calls = [torch.tensor([[7, 6]] * 64, device="cuda"), torch.tensor([[5, 4]] * 64, device="cuda")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids in calls * 2:
+            r.choose()
+            r.count(ids)
+            torch.cuda._sleep(1000)  # device work queued behind: a synchronising copy would have to wait for it
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    r.choose()
+    assert r.refreshes >= 1 and r.current.ids in ((6, 7), (4, 5))
+    assert torch.equal(r.current.weights[0].cpu(), host[0][list(r.current.ids)])
+
+
+def test_gguf_blocks_on_llamafile_with_resident_experts(tmp_path):
+    """A GGUF whose Q8_0 expert blocks the llamafile backend packs as they are (``pack_source``): the resident
+    experts come from the file's dequantised blocks, a host copy of their own; the model stays as close to the
+    fp32 truth on those dequantised weights as the cpu placement on llamafile is (its activations are quantised
+    to 16 bits, the resident share's are not) while the sets move."""
+    from peft import get_peft_model as peft_of
+    from test_gguf_train import skip_unless_ready, tiny_gguf
+
+    skip_unless_ready()
+    truth, path = tiny_gguf(tmp_path / "mixtral.gguf")
+    kt = {"kt_backend": "llamafile"}
+    on_cpu = ktcore.load_model(path, {"kt_config": kt}, device="cpu", progress=False)
+    ours = ktcore.load_model(path, {"kt_config": {**kt, "kt_num_gpu_experts": 2, "kt_gpu_experts_interval": 1}},
+                             device="cpu", progress=False)
+    resident = list(ours.ktcore.resident.values())
+    assert len(resident) == 2 and all(r.host_bytes > 0 for r in resident)  # the blocks are no HF layout
+    torch.manual_seed(7)
+    truth = peft_of(truth, lora_config())
+    on_cpu, ours = peft_pair(on_cpu, ours)
+    for seed in (1, 2, 3):
+        ids, mask = batch(seed, vocab=truth.config.vocab_size)
+        (ref, ref_grads), (cpu, cpu_grads), (got, got_grads) = (lora_grads(m, ids, mask) for m in (truth, on_cpu, ours))
+        bound = max(2 * relative_error(cpu.logits, ref.logits), 1e-4)
+        assert relative_error(got.logits, ref.logits) <= bound
+        bound = max(2 * max(relative_error(cpu_grads[n], ref_grads[n]) for n in ref_grads), 1e-4)
+        assert max(relative_error(got_grads[n], ref_grads[n]) for n in ref_grads) <= bound
+    assert all(r.refreshes >= 1 for r in resident)
