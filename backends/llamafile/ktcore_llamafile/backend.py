@@ -256,12 +256,17 @@ class LlamafileBackend(ExpertBackendBase):
         for arr, t, n, k, what in ((gate, types[0], inter, hidden, "gate"), (up, types[1], inter, hidden, "up"),
                                    (down, types[2], hidden, inter, "down")):
             t = B.type_number(t)
-            # rows of k elements padded with zeros to whole blocks (GGUF files always hold whole blocks)
+            rb = B.row_bytes(k, t)
+            row = arr.shape[-1] * (arr.itemsize if isinstance(arr, np.ndarray) else arr.element_size())
+            if arr.ndim > 1 and row != rb:
+                # e.g. a GGUF file's float rows, which are not padded to the kernels' 32-element blocks (their
+                # bytes may still be a whole number of padded matrices: 8 experts of 24 columns read as 6)
+                raise ValueError(f"{what}: rows of {row} bytes, where {k} {B.NAMES[t]} elements padded to whole "
+                                 f"blocks take {rb}; pack() the dense weights instead")
             if isinstance(arr, np.ndarray):
                 with warnings.catch_warnings():  # read-only mmap: the kernels never write to it
                     warnings.simplefilter("ignore")
                     arr = torch.from_numpy(arr.view(np.uint8))
-            rb = B.row_bytes(k, t)
             if arr.numel() % (n * rb):
                 raise ValueError(f"{what}: {arr.numel()} bytes are not whole [{n}, {rb}] {B.NAMES[t]} expert "
                                  f"matrices (rows of {k} elements)")
@@ -286,6 +291,8 @@ class LlamafileBackend(ExpertBackendBase):
         if any(n not in B.TYPES for n in names) or (fmt not in ("auto", "gguf") and set(names) != {fmt}):
             return None
         inter, hidden = file.shape(keys["gate"])[-2:]
+        if B.padded(hidden, types[0]) != hidden or B.padded(inter, types[2]) != inter:
+            return None  # float rows the kernels cannot read in place (pack_blocks): read() pads them
         t = {p: file.tensors[keys[p]] for p in ("gate", "up", "down")}
         return self.pack_blocks(t["gate"].data, t["up"].data, t["down"].data, tuple(int(x) for x in types), hidden,
                                 inter, activation, source=file)

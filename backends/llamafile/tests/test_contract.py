@@ -1,6 +1,7 @@
 """ExpertBackendContract for every block type, against the float64 reference on the weights quantised and
 dequantised by gguf's (and, for Q4_K, ggml's) own code, never by the backend's."""
 
+import numpy as np
 import pytest
 import torch
 from ggml_oracle import round_trip
@@ -126,6 +127,18 @@ def _gguf_dequantized(gate, up, down, types, hidden, inter) -> ExpertWeights:
         return torch.from_numpy(rows[..., :k].copy())
 
     return ExpertWeights(decode(gate, types[0], hidden), decode(up, types[1], hidden), decode(down, types[2], inter))
+
+
+def test_pack_blocks_refuses_float_rows_that_are_no_whole_blocks():
+    """A GGUF file keeps float rows unpadded; the kernels read whole 32-element blocks. 8 experts of 24-element
+    F32 rows are as many bytes as 6 padded ones: refused, not packed as 6 experts."""
+    from ktcore_llamafile.backend import LlamafileBackend
+
+    E, H, I = 8, 24, 32
+    be = LlamafileBackend(KTConfig(kt_num_threads=1))
+    gate, up, down = (np.zeros((E, n, k), dtype=np.float32) for n, k in ((I, H), (I, H), (H, I)))
+    with pytest.raises(ValueError, match="rows of 96 bytes, where 24 f32 elements padded to whole blocks take 128"):
+        be.pack_blocks(gate, up, down, "f32", H, I)
 
 
 def test_pack_blocks_from_raw_gguf_blocks_q5_k_q6_k():
