@@ -87,7 +87,7 @@ def test_int8_store_is_the_dequantised_codes(tmp_path, monkeypatch, threadpools,
     """An int8 store gives exactly int8-sym-channel-v1's codes of the fp32 experts (whole layers at once, or two
     experts at a time); loading it is the model whose experts are those codes dequantised (a checkpoint written
     here, read the ordinary way)."""
-    monkeypatch.setattr("ktcore.weights.convert.QUANTIZE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr("ktcore.weights.convert.CHUNK_BYTES", chunk_bytes)
     plain = tiny_model("qwen3_moe", odd=True, seed=12)
     plain.save_pretrained(tmp_path / "model")
     convert_model(tmp_path / "model", tmp_path / "int8", "int8", threadpools, progress=False)

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -32,9 +34,11 @@ from tqdm.auto import tqdm
 from ..errors import CheckpointError
 from ..model.wrap import expert_modules, find_arch
 from ..specs import import_object
-from .int8 import Int8Experts
+from ..experts import ExpertWeights
+from .int8 import Int8Experts, quantize_into
 from .safetensors_reader import (FP8_DTYPES, SafetensorsCheckpoint, SafetensorsExpertSource, SafetensorsWeights,
                                  take_fp8_block)
+from .staged import StagedFile, reused
 from .store import LAYOUTS, StoreWriter, identity, model_fingerprint
 
 FORMATS = tuple(LAYOUTS)
@@ -82,19 +86,83 @@ def _meta_model(model_dir: Path):
     return model, arch, fp8_block
 
 
-QUANTIZE_CHUNK_BYTES = 1 << 30  # float32 weights quantised at once
+CHUNK_BYTES = 256 << 20  # source weights read at once where a layer is not read straight into its file
+QUANTIZE_BLOCK_BYTES = 1 << 20  # float32 rows quantised at once: the passes over them stay in cache
 
 
-def quantized_layer(source: SafetensorsExpertSource) -> Int8Experts:
-    """A layer's experts in int8, quantised from their float32 weights a few experts at a time: host memory is
-    the int8 layer plus ``QUANTIZE_CHUNK_BYTES`` of float32, not the whole layer in float32 (45 GB for one of
-    DeepSeek-V3's). Each row's scale depends on that row alone, so chunks give the codes the whole layer gives."""
-    inter, hidden = source.shapes["gate"]
-    chunk = max(1, QUANTIZE_CHUNK_BYTES // (3 * inter * hidden * 4))
-    parts = [Int8Experts.quantize(source.read(torch.float32, range(start, min(start + chunk, source.num_experts))))
-             for start in range(0, source.num_experts, chunk)]
-    join = lambda pick: tuple(torch.cat([pick(p)[i] for p in parts]) for i in (0, 1))  # noqa: E731
-    return Int8Experts(join(lambda p: p.gate), join(lambda p: p.up), join(lambda p: p.down))
+def layer_template(fmt: str, e: int, i: int, h: int):
+    """One layer's experts as the store holds them, on the meta device: (dtype, shape) of every tensor."""
+    def empty(*shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if fmt == "int8":
+        return Int8Experts((empty(e, i, h, dtype=torch.int8), empty(e, i, dtype=torch.float32)),
+                           (empty(e, i, h, dtype=torch.int8), empty(e, i, dtype=torch.float32)),
+                           (empty(e, h, i, dtype=torch.int8), empty(e, h, dtype=torch.float32)))
+    return ExpertWeights(empty(e, i, h, dtype=torch.bfloat16), empty(e, i, h, dtype=torch.bfloat16),
+                         empty(e, h, i, dtype=torch.bfloat16))
+
+
+def staged_layer(fmt: str, e: int, inter: int, hidden: int, ranges) -> list[StagedFile]:
+    """A layer's thread-pool files, empty, in this thread's reused buffers."""
+    template = layer_template(fmt, e, inter, hidden)
+    return [StagedFile.make({k: (v.dtype, tuple(v.shape)) for k, v in pool_tensors(template, fmt, s, t).items()},
+                            {"format": "pt"}, slot=("file", pool))
+            for pool, (s, t) in enumerate(ranges)]
+
+
+def file_weights(staged: StagedFile, fmt: str, experts: range):
+    """``experts`` of a layer stored whole in one file, as views of it (ExpertWeights, or Int8Experts)."""
+    t = {k: v[experts.start:experts.stop] for k, v in staged.tensors.items()}
+    if fmt == "int8":
+        return Int8Experts(*((t[f"{p}.codes"], t[f"{p}.scales"]) for p in ("gate", "up", "down")))
+    return ExpertWeights(t["gate"], t["up"], t["down"])
+
+
+def quantize_experts(dense: ExpertWeights, into: Int8Experts) -> None:
+    """``Int8Experts.quantize(dense)`` written into ``into``, a block of rows at a time."""
+    for weight, (codes, scales) in ((dense.gate, into.gate), (dense.up, into.up), (dense.down, into.down)):
+        rows, k = weight.shape[-2:]
+        block = max(1, QUANTIZE_BLOCK_BYTES // (4 * k))
+        work, magnitude = reused("work", torch.float32, (block, k)), reused("magnitude", weight.dtype, (block, k))
+        for e in range(weight.shape[0]):
+            for r in range(0, rows, block):
+                n = min(block, rows - r)
+                quantize_into(weight[e, r:r + n], codes[e, r:r + n], scales[e, r:r + n], work[:n], magnitude[:n])
+
+
+def fill_layer(source: SafetensorsExpertSource, fmt: str, files: list[StagedFile], ranges,
+               reading=nullcontext()) -> None:
+    """Read ``source``'s experts into its pool files' tensors, quantised on the way for int8: straight into the
+    file where the layer is one bf16 file, else ``CHUNK_BYTES`` of experts at a time through reused buffers. int8
+    is quantised from the weights as stored (FP8 dequantised in float32), never from a bf16 rounding of them.
+    Every read of the checkpoint happens inside ``reading`` (a lock: one layer reads at a time, so the disk reads
+    one stream in order while other layers quantise, hash and write)."""
+    e, (inter, hidden) = source.num_experts, source.shapes["gate"]
+    whole = len(files) == 1
+    if fmt == "bf16" and whole:
+        with reading:
+            source.read_into(file_weights(files[0], fmt, range(e)))
+        return
+    dtype = source.dtype if fmt == "int8" else torch.bfloat16
+    step = max(1, CHUNK_BYTES // (3 * inter * hidden * dtype.itemsize))
+    for start in range(0, e, step):
+        experts = range(start, min(start + step, e))
+        n = len(experts)
+        weights = ExpertWeights(reused("gate", dtype, (n, inter, hidden)), reused("up", dtype, (n, inter, hidden)),
+                                reused("down", dtype, (n, hidden, inter)))
+        with reading:
+            source.read_into(weights, experts)
+        if fmt == "int8":
+            into = file_weights(files[0], fmt, experts) if whole else Int8Experts(
+                *((reused(f"{p}.codes", torch.int8, w.shape), reused(f"{p}.scales", torch.float32, w.shape[:-1]))
+                  for p, w in (("gate", weights.gate), ("up", weights.up), ("down", weights.down))))
+            quantize_experts(weights, into)
+            if whole:
+                continue
+            weights = into
+        for staged, (begin, end) in zip(files, ranges):  # each pool's share
+            for name, t in pool_tensors(weights, fmt, begin, end).items():
+                staged.tensors[name][start:start + n].copy_(t)
 
 
 def is_fp8(ckpt: SafetensorsCheckpoint) -> bool:
@@ -124,14 +192,13 @@ def convert_experts(ckpt: SafetensorsCheckpoint, arch, modules, out, fmt: str, f
     writer.expect_names(f for names in files.values() for f in names)
     todo = [(layer, source) for layer, _, source in sources if not all(writer.done(f) for f in files[layer])]
 
+    reading = threading.Lock()
+
     def convert_layer(layer: int, source) -> int:
-        # int8 from the float32 weights (FP8 dequantised in float32), never from a bf16 rounding of them
-        weights = quantized_layer(source) if fmt == "int8" else source.read(torch.bfloat16)
-        written = 0
-        for pool, (begin, end) in enumerate(ranges):
-            if not writer.done(files[layer][pool]):
-                written += writer.write(files[layer][pool], pool_tensors(weights, fmt, begin, end), {"format": "pt"})
-        return written
+        staged = staged_layer(fmt, e, inter, hidden, ranges)
+        fill_layer(source, fmt, staged, ranges, reading)
+        return sum(writer.write_staged(name, file) for name, file in zip(files[layer], staged)
+                   if not writer.done(name))
 
     start, nbytes = time.perf_counter(), 0
     executor = ThreadPoolExecutor(max_workers=workers or default_workers())

@@ -32,6 +32,20 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def quantize_into(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, work: torch.Tensor,
+                  magnitude: torch.Tensor) -> None:
+    """``quantize(weight)`` written into ``codes`` and ``scales``, bit for bit, in fewer memory passes: one 2-D
+    ``weight [N, K]`` (any float dtype; converting it to float32 is exact, so each row's maximum is taken in its
+    own dtype), ``work`` float32 and ``magnitude`` of ``weight``'s dtype, both ``[N, K]``, as scratch. Small
+    enough blocks stay in cache between the passes."""
+    torch.abs(weight, out=magnitude)
+    torch.div(magnitude.amax(dim=-1).to(torch.float32), QMAX, out=scales)
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    work.copy_(weight)
+    work.div_(divisor.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX)
+    codes.copy_(work)
+
+
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``codes * scales`` as ``dtype``: the weights the int8 backend computes with."""
     if codes.dtype != torch.int8 or scales.dtype != torch.float32 or codes.shape[:-1] != scales.shape:

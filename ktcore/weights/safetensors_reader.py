@@ -140,6 +140,10 @@ class SafetensorsCheckpoint:
     def file_of(self, name: str) -> Path:
         return self._entries[name].file
 
+    def location(self, name: str) -> tuple[str, int]:
+        """(file, offset) of the tensor's bytes."""
+        return str(self._entries[name].file), self._entries[name].start
+
     def shape(self, name: str) -> tuple:
         return self._entries[name].shape
 
@@ -249,6 +253,14 @@ class SafetensorsExpertSource:
             return [self._fused("gate_up"), self._fused("down")]
         return [self._key(part, expert) for expert in range(self.num_experts) for part in PARTS]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype ``read`` gives these weights in without rounding: the stored one, or float32 for FP8 blocks
+        (dequantised) and mixed dtypes."""
+        dtypes = {self.ckpt.dtype(key) for key in self.keys()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        return torch.float32 if dtype in FP8_DTYPES else dtype
+
     def read(self, dtype, experts: Optional[range] = None) -> ExpertWeights:
         """The layer's experts as ``dtype`` (only ``experts``, a range of expert ids, when given)."""
         experts = experts if experts is not None else range(self.num_experts)
@@ -256,11 +268,24 @@ class SafetensorsExpertSource:
             weights = canonical_weights(self.module, self.ckpt.get(self._fused("gate_up")).to(dtype),
                                         self.ckpt.get(self._fused("down")).to(dtype))
             return ExpertWeights(*(t[experts.start:experts.stop] for t in (weights.gate, weights.up, weights.down)))
-        out = {p: torch.empty((len(experts), *self.shapes[p]), dtype=dtype) for p in PARTS}
-        for row, expert in enumerate(experts):
+        out = ExpertWeights(*(torch.empty((len(experts), *self.shapes[p]), dtype=dtype) for p in PARTS))
+        self.read_into(out, experts)
+        return out
+
+    def read_into(self, out: ExpertWeights, experts: Optional[range] = None) -> None:
+        """``read`` into ``out``'s tensors ``[len(experts), ...]`` (views of a buffer, say), each tensor read
+        straight into place where it is stored in ``out``'s dtype."""
+        experts = experts if experts is not None else range(self.num_experts)
+        if self.layout == "fused":
+            weights = self.read(out.gate.dtype, experts)
             for part in PARTS:
-                self.ckpt.read_into(self._key(part, expert), out[part][row])
-        return ExpertWeights(out["gate"], out["up"], out["down"])
+                getattr(out, part).copy_(getattr(weights, part))
+            return
+        reads = [(self._key(part, expert), getattr(out, part)[row])
+                 for row, expert in enumerate(experts) for part in PARTS]
+        reads.sort(key=lambda read: self.ckpt.location(read[0]))  # the files' order: readahead reads ahead for us
+        for key, into in reads:
+            self.ckpt.read_into(key, into)
 
 
 class SafetensorsWeights:

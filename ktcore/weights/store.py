@@ -32,13 +32,13 @@ from ..errors import CheckpointError, KtcoreError
 from ..files import atomic_file, clean_leftovers, fault_point
 from .int8 import LAYOUT as INT8_LAYOUT
 from .safetensors_reader import DTYPES, INDEX_NAME, SINGLE_NAME, read_header
+from .staged import StagedFile, safetensors_layout, write_staged
 
 MANIFEST_NAME = "kt-weight-manifest.json"
 JOURNAL_NAME = MANIFEST_NAME + ".partial"
 STORE_VERSION = 1
 # format -> (layout name, layout version): what a reader must understand to use the files
 LAYOUTS = {"bf16": ("bf16-dense-v1", 1), "int8": (INT8_LAYOUT, 1)}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class StoreError(CheckpointError):
@@ -67,25 +67,13 @@ def model_fingerprint(model_dir) -> str:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> dict:
-    """Write ``tensors`` as one safetensors file at ``path`` atomically; returns ``{"size", "sha256"}``, hashed
-    from the bytes as they are written (no second read). Tensors go widest dtype first, so every one starts at a
-    multiple of its element size and a map of the file can be viewed as each dtype in place."""
-    order = sorted(tensors, key=lambda n: -tensors[n].element_size())
-    header, offset = {}, 0
-    for name in order:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % 8)  # data starts 8-aligned
+    """Write ``tensors`` as one safetensors file at ``path`` atomically (layout: ``safetensors_layout``); returns
+    ``{"size", "sha256"}``, hashed from the bytes as they are written (no second read)."""
+    prefix, spans = safetensors_layout({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, metadata)
     digest, size = hashlib.sha256(), 0
     with atomic_file(path) as tmp, open(tmp, "wb") as f:
-        for chunk in (len(blob).to_bytes(8, "little"), blob,
-                      *(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy() for n in order)):
+        for chunk in (prefix, *(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy()
+                                for n in sorted(spans, key=lambda n: spans[n][0]))):
             f.write(chunk)
             digest.update(chunk)
             size += len(chunk)
@@ -145,7 +133,14 @@ class StoreWriter:
         """Write one file, then record it in the journal (a kill between the two rewrites the file next time);
         returns its size. Threads may write different files at once."""
         clean_leftovers(self.root / name)
-        entry = write_safetensors(self.root / name, tensors, metadata)
+        return self._record(name, write_safetensors(self.root / name, tensors, metadata))
+
+    def write_staged(self, name: str, staged: StagedFile) -> int:
+        """``write`` for a file built in place (``ktcore.weights.staged``)."""
+        clean_leftovers(self.root / name)
+        return self._record(name, write_staged(self.root / name, staged))
+
+    def _record(self, name: str, entry: dict) -> int:
         with self._lock:
             self.files[name] = entry
             _write_json(self.root / JOURNAL_NAME, {**self.identity, "files": dict(sorted(self.files.items()))})

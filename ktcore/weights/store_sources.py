@@ -17,25 +17,13 @@ from pathlib import Path
 import torch
 
 from ..experts import ExpertWeights
-from .convert import convert_experts, non_expert_names, pool_tensors
+from .convert import convert_experts, layer_template, non_expert_names, pool_tensors
 from .int8 import Int8Experts
 from .safetensors_reader import DTYPES, FP8_DTYPES, SafetensorsCheckpoint, SafetensorsWeights, expert_dims
 from .scratch import scratch_dir
 from .store import Store, StoreError, open_store, model_fingerprint
 
 SCALE_NAME = re.compile(r"(_scale_inv|weight_scale|input_scale)$")
-
-
-def layer_template(fmt: str, e: int, i: int, h: int):
-    """One layer's experts as the store holds them, on the meta device: (dtype, shape) of every tensor."""
-    def empty(*shape, dtype):
-        return torch.empty(shape, dtype=dtype, device="meta")
-    if fmt == "int8":
-        return Int8Experts((empty(e, i, h, dtype=torch.int8), empty(e, i, dtype=torch.float32)),
-                           (empty(e, i, h, dtype=torch.int8), empty(e, i, dtype=torch.float32)),
-                           (empty(e, h, i, dtype=torch.int8), empty(e, h, dtype=torch.float32)))
-    return ExpertWeights(empty(e, i, h, dtype=torch.bfloat16), empty(e, i, h, dtype=torch.bfloat16),
-                         empty(e, h, i, dtype=torch.bfloat16))
 
 
 class StoreExpertSource:
