@@ -63,3 +63,18 @@ def test_bench_load_times_every_stage_of_the_chat_load():
         assert all(row[clock] > 0 for row in stages.values()), stages
         parts = sum(stages[k][clock] for k in ("imports", "checks", "tokenizer", "model"))
         assert parts == pytest.approx(stages["total"][clock], rel=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_bench_convert_times_a_model_against_dd_and_removes_its_store(tmp_path, fmt):
+    import torch
+    from archs import tiny_model
+
+    tiny_model("qwen3_moe", odd=True, seed=2).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    result = CliRunner().invoke(main, ["bench", "convert", "--model", str(tmp_path / "model"), "--format", fmt,
+                                       "--workdir", str(tmp_path / "work"), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output.strip().splitlines()[-1])
+    assert data["format"] == fmt and data["convert_mb_per_s"] > 0 and data["dd_mb_per_s"] > 0
+    assert data["ratio"] > 0 and data["dd_write_mb_per_s"] > 0
+    assert not (tmp_path / "work" / "store").exists()  # removed without --keep

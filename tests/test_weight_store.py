@@ -438,3 +438,140 @@ def test_amx_int8_computes_an_int8_store_as_it_quantises_the_checkpoint(tmp_path
     assert torch.equal(logits(stored), logits(direct))
     plain = logits(load(tmp_path / "model", torch.float32))
     assert not torch.equal(logits(stored), plain)  # int8 experts, not the bf16 ones
+
+
+# ---- the conversion's fast paths give the reference's bytes ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_blockwise_quantising_in_place_is_int8_quantize_bit_for_bit(monkeypatch, dtype):
+    """``quantize_experts`` (row blocks through ``quantize_into``, as ``ktcore convert`` quantises) gives exactly
+    ``Int8Experts.quantize``'s codes and scales: random rows, a zero row, rows of tiny, huge and one-hot values,
+    with blocks that cut the rows unevenly."""
+    from ktcore.weights.convert import quantize_experts
+
+    monkeypatch.setattr("ktcore.weights.convert.QUANTIZE_BLOCK_BYTES", 3 * 4 * 40)  # 3 rows of 40 float32
+    g = torch.Generator().manual_seed(5)
+    tiny = torch.finfo(dtype).tiny
+
+    def weight(e, n, k):
+        w = torch.randn(e, n, k, generator=g)
+        w[0, 1] = 0
+        w[0, 2] *= tiny * 4
+        w[1, 0] *= torch.finfo(dtype).max / 8
+        w[1, 3] = 0
+        w[1, 3, 7] = -3.5
+        return w.to(dtype)
+
+    dense = ExpertWeights(weight(3, 10, 40), weight(3, 10, 40), weight(3, 40, 10))
+    want = Int8Experts.quantize(dense)
+    got = Int8Experts(*((torch.full(w.shape, 99, dtype=torch.int8), torch.full(w.shape[:-1], -1.0))
+                        for w in (dense.gate, dense.up, dense.down)))
+    quantize_experts(dense, got)
+    for (gc, gs), (wc, ws) in zip((got.gate, got.up, got.down), (want.gate, want.up, want.down)):
+        assert torch.equal(gc, wc) and torch.equal(gs, ws)
+
+
+@pytest.mark.parametrize("how", ["direct", "no O_DIRECT", "refused alignment", "tmpfs"])
+def test_a_staged_file_is_the_bytes_write_safetensors_writes(tmp_path, monkeypatch, how):
+    """A file built in place and written by ``write_staged`` (O_DIRECT, or the page cache where O_DIRECT is
+    missing, refused at open (tmpfs) or at the first write) has write_safetensors's bytes, size and SHA-256."""
+    from ktcore.files import sha256_file
+    from ktcore.weights.staged import StagedFile, write_staged
+    from ktcore.weights.store import write_safetensors
+
+    where = tmp_path
+    if how == "tmpfs":
+        if not os.access("/dev/shm", os.W_OK):
+            pytest.skip("no writable /dev/shm")
+        where = Path(__import__("tempfile").mkdtemp(prefix="ktcore-staged-", dir="/dev/shm"))
+    if how == "no O_DIRECT":
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    if how == "refused alignment":
+        direct_fds, real_open, real_pwrite = set(), os.open, os.pwrite  # fds opened with O_DIRECT
+
+        def open_(path, flags, *args):
+            fd = real_open(path, flags, *args)
+            if flags & os.O_DIRECT:
+                direct_fds.add(fd)
+            return fd
+
+        def pwrite(fd, data, offset):
+            if fd in direct_fds:
+                raise OSError(22, "Invalid argument")
+            return real_pwrite(fd, data, offset)
+
+        def close(fd, real_close=os.close):
+            direct_fds.discard(fd)
+            real_close(fd)
+
+        monkeypatch.setattr(os, "open", open_)
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        monkeypatch.setattr(os, "close", close)
+    g = torch.Generator().manual_seed(3)
+    tensors = {"b": torch.randn(5, 7, generator=g).to(torch.bfloat16), "codes": torch.randint(-127, 128, (3, 1001),
+               generator=g, dtype=torch.int8), "scales": torch.rand(3, generator=g), "empty": torch.zeros(0, 4)}
+    try:
+        entry = write_safetensors(where / "a.safetensors", tensors, {"format": "pt"})
+        staged = StagedFile.make({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, {"format": "pt"})
+        for name, value in tensors.items():
+            staged.tensors[name].copy_(value)
+        assert write_staged(where / "b.safetensors", staged) == entry
+        assert (where / "b.safetensors").read_bytes() == (where / "a.safetensors").read_bytes()
+        assert sha256_file(where / "b.safetensors") == entry["sha256"]
+        assert sorted(os.listdir(where)) == ["a.safetensors", "b.safetensors"]  # no temp file left
+    finally:
+        if how == "tmpfs":
+            shutil.rmtree(where)
+
+
+def _fused_copy(model_dir: Path, out: Path) -> None:
+    """``model_dir``'s checkpoint with each layer's per-expert tensors stacked into transformers 5's fused
+    ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, as one file."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    tensors, experts = {}, {}
+    with SafetensorsCheckpoint(model_dir) as ckpt:
+        for key in ckpt.keys():
+            prefix, sep, rest = key.partition(".mlp.experts.")
+            if sep:
+                expert, part, _ = rest.split(".", 2)
+                experts.setdefault(prefix, {}).setdefault(part, {})[int(expert)] = ckpt.get(key)
+            else:
+                tensors[key] = ckpt.get(key)
+    for prefix, parts in experts.items():
+        stack = {part: torch.stack([parts[part][e] for e in sorted(parts[part])]) for part in parts}
+        tensors[prefix + ".mlp.experts.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], 1)
+        tensors[prefix + ".mlp.experts.down_proj"] = stack["down_proj"]
+    save_file(tensors, out / "model.safetensors", {"format": "pt"})
+
+
+@pytest.mark.parametrize("fmt, threadpools", [("bf16", 1), ("bf16", 2), ("int8", 1), ("int8", 2)])
+def test_a_fused_checkpoint_converts_to_the_files_of_its_per_expert_one(bf16_model, tmp_path, fmt, threadpools):
+    """The per-expert checkpoint (read straight into the file, or a few experts at a time) and the fused one
+    (read whole, then split) give store files with the same SHA-256; a one-file bf16 layer reads back as the
+    checkpoint's experts."""
+    from ktcore.model.wrap import expert_modules, find_arch
+    from ktcore.weights.loading import meta_model_of
+    from ktcore.weights.store_sources import StoreExpertSource
+
+    _fused_copy(bf16_model, tmp_path / "fused")
+    convert_model(bf16_model, tmp_path / "per_expert_store", fmt, threadpools, progress=False)
+    convert_model(tmp_path / "fused", tmp_path / "fused_store", fmt, threadpools, progress=False)
+    files = [json.loads((tmp_path / s / MANIFEST_NAME).read_text())["files"] for s in ("per_expert_store",
+                                                                                         "fused_store")]
+    assert files[0] == files[1] and len(files[0]) == 2 * threadpools
+    if fmt == "bf16" and threadpools == 1:
+        config, model = meta_model_of(bf16_model)
+        arch = find_arch(config)
+        store = open_store(tmp_path / "per_expert_store", "experts", model_fingerprint(bf16_model), "k")
+        with SafetensorsCheckpoint(bf16_model) as ckpt:
+            for layer, name, module in expert_modules(model, arch):
+                want = SafetensorsExpertSource(ckpt, arch, layer, module).read(torch.bfloat16)
+                got = StoreExpertSource(store, name, arch, module).read(torch.bfloat16)
+                for a, b in zip((got.gate, got.up, got.down), (want.gate, want.up, want.down)):
+                    assert torch.equal(a, b)
