@@ -45,7 +45,8 @@ class ExpertBackendSpec:
     description: str = ""
     # "module:function" (seconds) -> dict of report fields: what this backend measures for `ktcore doctor`
     doctor: Optional[str] = None
-    # "module:function" (model, out_dir, fmt) -> summary dict: `ktcore convert` for the formats below
+    # "module:function" (model, out_dir, fmt, overwrite=False) -> summary dict: `ktcore convert` for the formats
+    # below; an existing output is replaced only with overwrite and only when it wrote it (ktcore.outputs)
     converter: Optional[str] = None
     convert_formats: tuple[str, ...] = ()  # the --format values the converter writes; the first is the default
 

@@ -333,7 +333,7 @@ def report(seconds):
     return {"probed_peak_gflops": 123.4, "probed_seconds": seconds}
 
 
-def convert(model, out, fmt):
+def convert(model, out, fmt, overwrite=False):
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / ("model." + fmt)).write_text("converted")
     return {"source": model, "format": fmt}

@@ -211,7 +211,7 @@ def test_kills_during_convert_leave_no_partial_gguf(tmp_path):
     write_gguf(tiny_model("mixtral", seed=4), "mixtral", src)
     out = tmp_path / "out"
     dst = out / "m.q8_0.gguf"
-    killed = ktcore("convert", src, "--format", "q8_0", "--out", out, fault="atomic_file:written")
+    killed = ktcore("convert", src, "--format", "q8_0", "--out", out, fault="output:written")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not dst.exists() and len(temp_siblings(dst)) == 1  # the whole temp file, under ktcore's temp name
     done = ktcore("convert", src, "--format", "q8_0", "--out", out)
@@ -221,5 +221,41 @@ def test_kills_during_convert_leave_no_partial_gguf(tmp_path):
     with GGUFFile(dst) as f:  # whole: every converted tensor is there, in the type the converter chose
         assert experts and all(f.type_name(name) == kind.upper() for name, kind in experts.items())
     whole = tree(dst)
-    killed = ktcore("convert", src, "--format", "q8_0", "--out", out, fault="atomic_file:written")
-    assert killed.returncode == -signal.SIGKILL and tree(dst) == whole
+    for fault in ("output:written", "replace:swapped"):
+        killed = ktcore("convert", src, "--format", "q8_0", "--out", out, "--overwrite", fault=fault)
+        assert killed.returncode == -signal.SIGKILL and tree(dst) == whole  # the old copy, or the same new one
+
+
+def test_convert_of_a_gguf_replaces_only_its_own_output_and_only_with_overwrite(tmp_path):
+    """An existing output file is refused in one line naming it, before anything is read, unless it is an earlier
+    output of ``ktcore convert`` and --overwrite is given; a file ktcore did not write is never replaced."""
+    pytest.importorskip("gguf")
+    from archs import tiny_model
+    from test_gguf import write_gguf
+
+    from ktcore.plugins.select import resolve_backend
+
+    why = resolve_backend("llamafile").reasons.get("llamafile", "not installed")
+    if why is not None and not why.startswith("usable"):
+        pytest.skip(f"ktcore convert needs the llamafile backend's converter: {why}")
+    src = tmp_path / "m.gguf"
+    write_gguf(tiny_model("mixtral", seed=4), "mixtral", src)
+    out = tmp_path / "out"
+    dst = out / "m.q8_0.gguf"
+    out.mkdir()
+    dst.write_bytes(b"someone else's file")
+    for args in ([], ["--overwrite"]):
+        one_error_line(ktcore("convert", src, "--format", "q8_0", "--out", out, *args), str(dst))
+        assert dst.read_bytes() == b"someone else's file" and not temp_siblings(dst)
+    dst.unlink()
+    assert ktcore("convert", src, "--format", "q8_0", "--out", out).returncode == 0
+    first = tree(dst)
+    refused = ktcore("convert", src, "--format", "q8_0", "--out", out)
+    one_error_line(refused, "pass --overwrite")
+    assert tree(dst) == first
+    again = ktcore("convert", dst, "--format", "q8_0", "--out", tmp_path / "again")  # an output as the source
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert ktcore("convert", src, "--format", "q8_0", "--out", out, "--overwrite").returncode == 0
+    assert tree(dst) == first and not temp_siblings(dst)
+    usage = CliRunner().invoke(main, ["convert", str(tmp_path), "--out", str(tmp_path / "store"), "--overwrite"])
+    assert usage.exit_code == 2 and "--overwrite takes a .gguf MODEL" in usage.output

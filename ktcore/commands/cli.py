@@ -234,16 +234,22 @@ def chat(config_path, prompt, overrides):
 @click.option("--workers", type=click.IntRange(min=0), default=0,
               help="a model directory: layers converted at once [default: min(4, cores)]; host memory: one layer each")
 @click.option("--quiet", is_flag=True, help="no progress bar")
-def convert_cmd(model, fmt, out, threadpools, non_expert, workers, quiet):
+@click.option("--overwrite", is_flag=True,
+              help="a .gguf file: replace the output when it is an earlier output of ktcore convert")
+def convert_cmd(model, fmt, out, threadpools, non_expert, workers, quiet, overwrite):
     """MODEL a safetensors model directory (FP8 DeepSeek-V3 included): write its routed experts (--format
     bf16|int8), or with --non-expert every other tensor, as a weight store for kt_weight_path /
     kt_non_expert_weight_path; an interrupted run resumes. MODEL.gguf: re-quantise its routed experts with the
-    converter of the installed expert backend that writes --format (llamafile: DIR/<name>.<fmt>.gguf)."""
+    converter of the installed expert backend that writes --format (llamafile: DIR/<name>.<fmt>.gguf); an
+    existing output is replaced only with --overwrite, and only when ktcore convert wrote it."""
     from pathlib import Path
 
     if Path(model).is_dir():
         from ..weights.convert import FORMATS, convert_model
 
+        if overwrite:
+            raise click.UsageError("--overwrite takes a .gguf MODEL: a weight store in --out is resumed or refused, "
+                                   "never replaced (choose a new --out to convert again)")
         if non_expert and fmt not in (None, "bf16"):
             raise click.UsageError("--non-expert writes bf16; drop --format")
         if fmt not in (None, *FORMATS):
@@ -264,7 +270,7 @@ def convert_cmd(model, fmt, out, threadpools, non_expert, workers, quiet):
     if spec is None:
         raise PluginError(f"ktcore convert --format {fmt}: no installed converter writes it; choose one of "
                           f"{', '.join(f for _, f in converters)}")
-    summary = import_object(spec.converter)(model, out, fmt)
+    summary = import_object(spec.converter)(model, out, fmt, overwrite=overwrite)
     click.echo(json.dumps(summary, indent=2))
 
 

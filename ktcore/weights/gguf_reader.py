@@ -144,11 +144,12 @@ class GGUFFile:
                                                        k.rsplit(".", 1)[1] in ("tokens", "scores", "token_type",
                                                                                "merges"))}
 
-    def copy_metadata_to(self, writer) -> None:
-        """Every metadata field (tokenizer included) onto a ``gguf.GGUFWriter`` made for this architecture."""
+    def copy_metadata_to(self, writer, skip: tuple[str, ...] = ()) -> None:
+        """Every metadata field (tokenizer included) but those named in ``skip`` onto a ``gguf.GGUFWriter`` made
+        for this architecture."""
         gguf = _gguf()
         for key, field in self.reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes these itself
+            if key.startswith("GGUF.") or key == "general.architecture" or key in skip:  # the writer writes these
                 continue
             vtype = field.types[0]
             sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
