@@ -451,7 +451,8 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
     resident = list((base.ktcore.resident or {}).values())
     backends = {layer.backend for layer in base.ktcore.layers.values()}
     pools = [getattr(b, "num_threads", None) for b in backends]
-    common = {"expert_format": expert_format, "placement": placement, "expert_lora_device": lora_device,
+    common = {"expert_format": computed_format(expert_format, backends), "placement": placement,
+              "expert_lora_device": lora_device,
               "backend": ",".join(sorted(b.name for b in backends)),
               "moe_layers": len(set(base.ktcore.layers) | set(base.ktcore.streamed)),
               "backend_threads": max((n for n in pools if n), default=None),
@@ -517,6 +518,18 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
         yield from _loss_run(settings, base, common)
     del base
     _reset_peaks(device)
+
+
+def computed_format(source_format: str, backends) -> str:
+    """The format the experts are computed in: the source's, or for a bf16 model on a backend that quantises
+    it as it loads (a lossy one: amx_int8), that backend's format."""
+    from ..plugins import get_registry
+
+    if source_format != "bf16":
+        return source_format
+    specs = get_registry().specs("expert_backend")
+    quantised = sorted({specs[b.name].weight_formats[0] for b in backends if b.name in specs and specs[b.name].lossy})
+    return ",".join(quantised) or source_format
 
 
 def auto_choices(auto, tokens: int) -> str:
