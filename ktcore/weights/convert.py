@@ -38,7 +38,8 @@ from ..experts import ExpertWeights
 from .int8 import Int8Experts, quantize_into
 from .safetensors_reader import (FP8_DTYPES, SafetensorsCheckpoint, SafetensorsExpertSource, SafetensorsWeights,
                                  take_fp8_block)
-from .staged import StagedFile, reused
+from .buffers import reused
+from .staged import StagedFile
 from .store import LAYOUTS, StoreWriter, identity, model_fingerprint
 
 FORMATS = tuple(LAYOUTS)
@@ -136,12 +137,13 @@ def fill_layer(source: SafetensorsExpertSource, fmt: str, files: list[StagedFile
     file where the layer is one bf16 file, else ``CHUNK_BYTES`` of experts at a time through reused buffers. int8
     is quantised from the weights as stored (FP8 dequantised in float32), never from a bf16 rounding of them.
     Every read of the checkpoint happens inside ``reading`` (a lock: one layer reads at a time, so the disk reads
-    one stream in order while other layers quantise, hash and write)."""
+    one stream in order while other layers quantise, hash and write), past the page cache: the checkpoint is read
+    once, and reading it through the cache costs more CPU than the disk's own copy does."""
     e, (inter, hidden) = source.num_experts, source.shapes["gate"]
     whole = len(files) == 1
     if fmt == "bf16" and whole:
         with reading:
-            source.read_into(file_weights(files[0], fmt, range(e)))
+            source.read_into(file_weights(files[0], fmt, range(e)), direct=True)
         return
     dtype = source.dtype if fmt == "int8" else torch.bfloat16
     step = max(1, CHUNK_BYTES // (3 * inter * hidden * dtype.itemsize))
@@ -151,7 +153,7 @@ def fill_layer(source: SafetensorsExpertSource, fmt: str, files: list[StagedFile
         weights = ExpertWeights(reused("gate", dtype, (n, inter, hidden)), reused("up", dtype, (n, inter, hidden)),
                                 reused("down", dtype, (n, hidden, inter)))
         with reading:
-            source.read_into(weights, experts)
+            source.read_into(weights, experts, direct=True)
         if fmt == "int8":
             into = file_weights(files[0], fmt, experts) if whole else Int8Experts(
                 *((reused(f"{p}.codes", torch.int8, w.shape), reused(f"{p}.scales", torch.float32, w.shape[:-1]))

@@ -3,8 +3,8 @@
 ``ktcore convert`` fills each store file's tensors in place (``StagedFile.tensors`` are views of one buffer that
 holds the file's bytes, header first), so no tensor is copied into a file buffer and no layer is allocated anew:
 
-* the buffers are page-aligned anonymous maps kept per thread and reused for the next layer (touching fresh
-  memory costs a page fault per page, which on a virtual machine is a large share of a conversion);
+* the buffers are page-aligned anonymous maps kept per thread and reused for the next layer
+  (``ktcore.weights.buffers``);
 * ``write_staged`` hashes the buffer (SHA-256, in a second thread: hashlib releases the GIL on large buffers)
   while it writes it, with ``O_DIRECT`` where the file system takes it: the disk reads the buffer itself, no copy
   goes into the page cache, and the fsync that follows has nothing left to write back. Elsewhere (tmpfs, or a
@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..files import atomic_file
+from .buffers import buffer
 from .safetensors_reader import DTYPES
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -59,32 +60,6 @@ def safetensors_layout(specs: dict[str, tuple[torch.dtype, tuple]],
     return prefix, {name: (len(prefix) + start, len(prefix) + end) for name, (start, end) in spans.items()}
 
 
-_buffers = threading.local()
-
-
-def _buffer(slot, nbytes: int) -> mmap.mmap:
-    """This thread's reusable page-aligned buffer ``slot`` (any hashable key), at least ``nbytes`` long."""
-    pool = _buffers.__dict__.setdefault("maps", {})
-    buf = pool.get(slot)
-    if buf is None or len(buf) < nbytes:
-        buf = mmap.mmap(-1, nbytes)  # the smaller one is unmapped once no tensor views it
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer page faults on first touch
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        pool[slot] = buf
-    return buf
-
-
-def reused(key, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    """A tensor of ``dtype`` and ``shape`` in this thread's reusable buffer ``key`` (contents undefined; the
-    previous tensor made with this key is overwritten)."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    if not numel:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(_buffer(key, numel * dtype.itemsize), dtype=dtype, count=numel).reshape(shape)
-
-
 @dataclass
 class StagedFile:
     """One file's bytes in a reused buffer: ``tensors`` are views to fill, ``size`` the file's length."""
@@ -100,7 +75,7 @@ class StagedFile:
         there is gone). The tensors' contents are undefined until filled."""
         prefix, spans = safetensors_layout(specs, metadata)
         size = max([len(prefix), *(end for _, end in spans.values())])
-        buf = _buffer(slot, max(ALIGN, -(-size // ALIGN) * ALIGN))
+        buf = buffer(slot, max(ALIGN, -(-size // ALIGN) * ALIGN))
         buf[:len(prefix)] = prefix
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8)
         tensors = {name: raw[start:end].view(specs[name][0]).reshape(specs[name][1])
