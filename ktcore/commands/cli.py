@@ -232,7 +232,8 @@ def chat(config_path, prompt, overrides):
               help="a model directory: split each layer's experts into this many thread-pool files")
 @click.option("--non-expert", is_flag=True, help="a model directory: every tensor but the routed experts, in bf16")
 @click.option("--workers", type=click.IntRange(min=0), default=0,
-              help="a model directory: layers converted at once [default: min(4, cores)]; host memory: one layer each")
+              help="a model directory: layers converted at once, one reading at a time [default: min(4, cores)]; "
+                   "host memory: one layer's files each")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--overwrite", is_flag=True,
               help="a .gguf file: replace the output when it is an earlier output of ktcore convert")

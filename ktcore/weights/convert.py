@@ -7,8 +7,13 @@ longer), as ``kt_tp_enabled`` splits it between thread pools, so each pool's (NU
 * ``bf16``: ``gate``, ``up`` ``[E, I_p, H]`` and ``down`` ``[E, H, I_p]`` in bf16;
 * ``int8`` (``ktcore.weights.int8``, ``int8-sym-channel-v1``): ``{gate,up}.codes`` ``[E, I_p, H]`` int8 with
   ``{gate,up}.scales`` ``[E, I_p]``, ``down.codes`` ``[E, H, I_p]`` with ``down.scales`` ``[E, H]``; the scales
-  are those of the whole row, so down's are the same in every pool's file. Quantised from the float32 weights
-  (FP8 blocks dequantised in float32 first), never from a bf16 rounding of them.
+  are those of the whole row, so down's are the same in every pool's file. Quantised in float32 from the weights
+  as stored (bf16 converts exactly; FP8 blocks dequantised in float32 first), never from a bf16 rounding of them.
+
+A layer's files are built in place (``ktcore.weights.staged``): the checkpoint's tensors are read straight into
+the file's bytes (one bf16 file a layer) or a few experts at a time into reused buffers and quantised or split
+into them; then each file is hashed while it is written. ``workers`` layers are converted at once, one of them
+reading the checkpoint at a time.
 
 Non-expert tensors (``convert_non_experts``): every tensor the model needs besides its routed experts, under the
 model's names, in bf16 (FP8 weights dequantised with their block scales, which are not kept), one file per
@@ -172,8 +177,8 @@ def is_fp8(ckpt: SafetensorsCheckpoint) -> bool:
 
 
 def default_workers() -> int:
-    """Layers converted at once: reading, hashing and writing one file is one core's work, so a few layers in
-    flight keep a fast disk busy (host memory: one layer's weights per worker)."""
+    """Layers converted at once: one reads while the others quantise, hash and write, so a few layers in flight
+    keep the disk and the cores busy (host memory: one layer's files per worker)."""
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
