@@ -575,32 +575,3 @@ def test_a_fused_checkpoint_converts_to_the_files_of_its_per_expert_one(bf16_mod
                 got = StoreExpertSource(store, name, arch, module).read(torch.bfloat16)
                 for a, b in zip((got.gate, got.up, got.down), (want.gate, want.up, want.down)):
                     assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("how", ["direct", "no O_DIRECT"])
-def test_direct_reads_give_the_tensors_plain_reads_give(tmp_path, monkeypatch, how):
-    """``read_many(direct=True)`` (aligned O_DIRECT reads through a bounce buffer smaller than a tensor, spans at
-    odd offsets, a non-contiguous and a converted destination among them) reads what ``get`` reads; a file cut
-    short after it was opened fails naming it."""
-    from safetensors.torch import save_file
-
-    from ktcore.errors import CheckpointError
-
-    monkeypatch.setattr("ktcore.weights.safetensors_reader.DIRECT_CHUNK", 2 * 4096)
-    if how == "no O_DIRECT":
-        monkeypatch.delattr(os, "O_DIRECT", raising=False)
-    g = torch.Generator().manual_seed(9)
-    tensors = {f"t{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i, n in enumerate((1, 3001, 7, 5000, 2))}
-    tensors["f32"] = torch.randn(3, 1111, generator=g)
-    save_file(tensors, tmp_path / "model.safetensors")
-    with SafetensorsCheckpoint(tmp_path) as ckpt:
-        outs = {name: torch.zeros_like(t) for name, t in tensors.items()}
-        outs["f32"] = torch.zeros(1111, 3).t()  # not contiguous: read the ordinary way
-        converted = torch.zeros(3001, dtype=torch.float32)
-        ckpt.read_many([*outs.items(), ("t1", converted)], direct=True)
-        for name, t in tensors.items():
-            assert torch.equal(outs[name], t), name
-        assert torch.equal(converted, tensors["t1"].float())
-        os.truncate(tmp_path / "model.safetensors", os.path.getsize(tmp_path / "model.safetensors") - 4000)
-        with pytest.raises(CheckpointError, match="model.safetensors: short read of tensor"):
-            ckpt.read_many([(name, torch.zeros_like(t)) for name, t in tensors.items()], direct=True)

@@ -142,13 +142,12 @@ def fill_layer(source: SafetensorsExpertSource, fmt: str, files: list[StagedFile
     file where the layer is one bf16 file, else ``CHUNK_BYTES`` of experts at a time through reused buffers. int8
     is quantised from the weights as stored (FP8 dequantised in float32), never from a bf16 rounding of them.
     Every read of the checkpoint happens inside ``reading`` (a lock: one layer reads at a time, so the disk reads
-    one stream in order while other layers quantise, hash and write), past the page cache: the checkpoint is read
-    once, and reading it through the cache costs more CPU than the disk's own copy does."""
+    one stream in order while other layers quantise, hash and write)."""
     e, (inter, hidden) = source.num_experts, source.shapes["gate"]
     whole = len(files) == 1
     if fmt == "bf16" and whole:
         with reading:
-            source.read_into(file_weights(files[0], fmt, range(e)), direct=True)
+            source.read_into(file_weights(files[0], fmt, range(e)))
         return
     dtype = source.dtype if fmt == "int8" else torch.bfloat16
     step = max(1, CHUNK_BYTES // (3 * inter * hidden * dtype.itemsize))
@@ -158,7 +157,7 @@ def fill_layer(source: SafetensorsExpertSource, fmt: str, files: list[StagedFile
         weights = ExpertWeights(reused("gate", dtype, (n, inter, hidden)), reused("up", dtype, (n, inter, hidden)),
                                 reused("down", dtype, (n, hidden, inter)))
         with reading:
-            source.read_into(weights, experts, direct=True)
+            source.read_into(weights, experts)
         if fmt == "int8":
             into = file_weights(files[0], fmt, experts) if whole else Int8Experts(
                 *((reused(f"{p}.codes", torch.int8, w.shape), reused(f"{p}.scales", torch.float32, w.shape[:-1]))

@@ -11,8 +11,6 @@ renames) and each layer's experts, per-expert keys or transformers 5's fused one
 
 from __future__ import annotations
 
-import errno
-import itertools
 import json
 import os
 import re
@@ -25,7 +23,6 @@ from ..errors import CheckpointError
 from ..files import inside_root
 from ..experts import ExpertWeights
 from ..model.wrap import canonical_weights
-from .buffers import reused
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -87,50 +84,6 @@ def _check_entry(file: Path, name: str, meta) -> None:
     if end - start != numel * DTYPES[meta["dtype"]].itemsize:
         raise CheckpointError(f"{file}: tensor {name!r} spans bytes {start}..{end}, its shape {meta['shape']} "
                               f"({meta['dtype']}) needs {numel * DTYPES[meta['dtype']].itemsize}; the file is corrupt")
-
-
-DIRECT_CHUNK = 32 << 20  # bytes per O_DIRECT read
-ALIGN = 4096  # O_DIRECT: offsets, lengths and the buffer's address multiples of the logical block size (<= 4096)
-
-
-def read_direct(file: Path, spans: list[tuple[str, int, int, torch.Tensor]]) -> bool:
-    """Read each ``(name, start, end, out)`` byte span of ``file`` into ``out`` (contiguous, that many bytes),
-    spans in the file's order, through aligned ``O_DIRECT`` reads of ``DIRECT_CHUNK`` into a reused buffer: the
-    disk writes into memory itself and the CPU copies each tensor out once, without filling and evicting the page
-    cache (a cold read costs a fraction of the CPU time it does through the cache). Returns False where the file
-    system refuses O_DIRECT (the caller reads every span another way)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    try:
-        fd = os.open(file, os.O_RDONLY | flag)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
-    bounce = reused("direct-read", torch.uint8, (DIRECT_CHUNK,))
-    view = memoryview(bounce.numpy())
-    low = high = 0  # bytes [low, high) of the file are in the bounce buffer
-    try:
-        for name, start, end, out in spans:
-            flat, pos = out.reshape(-1).view(torch.uint8), start
-            while pos < end:
-                if not low <= pos < high:
-                    low = pos - pos % ALIGN
-                    high = low + os.preadv(fd, [view], low)
-                    if high <= pos:
-                        raise CheckpointError(f"{file}: short read of tensor {name!r} (the file ends at {high}, "
-                                              f"the tensor at {end}); the file is truncated, download it again")
-                n = min(end, high) - pos
-                flat[pos - start:pos - start + n].copy_(bounce[pos - low:pos - low + n])
-                pos += n
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
-    finally:
-        os.close(fd)
-    return True
 
 
 class SafetensorsCheckpoint:
@@ -219,33 +172,19 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{entry.file}: short read of tensor {name!r} ({got} of {nbytes} bytes)")
         return out
 
-    def _as_stored(self, name: str, out: torch.Tensor) -> bool:
-        """Whether ``out`` takes the tensor's bytes as they are stored (contiguous, its dtype and shape)."""
-        entry = self._entries[name]
-        return out.dtype == entry.dtype and out.is_contiguous() and tuple(out.shape) == entry.shape and \
-            entry.dtype not in FP8_DTYPES
-
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Copy the tensor (as ``get`` gives it) into ``out``: read straight into it when it is contiguous and of
         the stored dtype (no intermediate copy), else through ``get``."""
-        if self._as_stored(name, out):
+        entry = self._entries[name]
+        if out.dtype == entry.dtype and out.is_contiguous() and tuple(out.shape) == entry.shape and \
+                entry.dtype not in FP8_DTYPES:
             self._read_raw(name, out)
         else:
             out.copy_(self.get(name))
 
-    def read_many(self, reads: list[tuple[str, torch.Tensor]], direct: bool = False) -> None:
-        """``read_into`` for each ``(name, out)``, in the files' order (readahead then reads ahead of us). With
-        ``direct``, those taken as stored come through ``read_direct`` (bypassing the page cache: for a file read
-        once, as ``ktcore convert`` reads a checkpoint), each file's read as usual where O_DIRECT is refused."""
-        reads = sorted(reads, key=lambda read: self.location(read[0]))
-        if direct:
-            stored = [(name, out) for name, out in reads if self._as_stored(name, out)]
-            for file, group in itertools.groupby(stored, key=lambda read: self._entries[read[0]].file):
-                spans = [(name, self._entries[name].start, self._entries[name].end, out) for name, out in group]
-                if read_direct(file, spans):
-                    done = {id(out) for *_, out in spans}
-                    reads = [(name, out) for name, out in reads if id(out) not in done]
-        for name, out in reads:
+    def read_many(self, reads: list[tuple[str, torch.Tensor]]) -> None:
+        """``read_into`` for each ``(name, out)``, in the files' order (readahead then reads ahead of us)."""
+        for name, out in sorted(reads, key=lambda read: self.location(read[0])):
             self.read_into(name, out)
 
     def get(self, name: str) -> torch.Tensor:
@@ -338,10 +277,9 @@ class SafetensorsExpertSource:
         self.read_into(out, experts)
         return out
 
-    def read_into(self, out: ExpertWeights, experts: Optional[range] = None, direct: bool = False) -> None:
+    def read_into(self, out: ExpertWeights, experts: Optional[range] = None) -> None:
         """``read`` into ``out``'s tensors ``[len(experts), ...]`` (views of a buffer, say), each tensor read
-        straight into place where it is stored in ``out``'s dtype; ``direct``: past the page cache
-        (``SafetensorsCheckpoint.read_many``)."""
+        straight into place where it is stored in ``out``'s dtype."""
         experts = experts if experts is not None else range(self.num_experts)
         if self.layout == "fused":
             weights = self.read(out.gate.dtype, experts)
@@ -349,7 +287,7 @@ class SafetensorsExpertSource:
                 getattr(out, part).copy_(getattr(weights, part))
             return
         self.ckpt.read_many([(self._key(part, expert), getattr(out, part)[row])
-                             for row, expert in enumerate(experts) for part in PARTS], direct)
+                             for row, expert in enumerate(experts) for part in PARTS])
 
 
 class SafetensorsWeights:
