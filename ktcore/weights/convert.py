@@ -37,13 +37,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
+from ..experts import ExpertWeights
 from ..model.wrap import expert_modules, find_arch
 from ..specs import import_object
-from ..experts import ExpertWeights
+from .buffers import reused
 from .int8 import Int8Experts, quantize_into
 from .safetensors_reader import (FP8_DTYPES, SafetensorsCheckpoint, SafetensorsExpertSource, SafetensorsWeights,
                                  take_fp8_block)
-from .buffers import reused
 from .staged import StagedFile
 from .store import LAYOUTS, StoreWriter, identity, model_fingerprint
 
@@ -136,6 +136,12 @@ def quantize_experts(dense: ExpertWeights, into: Int8Experts) -> None:
                 quantize_into(weight[e, r:r + n], codes[e, r:r + n], scales[e, r:r + n], work[:n], magnitude[:n])
 
 
+def reused_int8(dense: ExpertWeights) -> Int8Experts:
+    """Codes and scales for ``dense``'s shapes in this thread's reused buffers."""
+    return Int8Experts(*((reused(f"{p}.codes", torch.int8, w.shape), reused(f"{p}.scales", torch.float32, w.shape[:-1]))
+                         for p, w in (("gate", dense.gate), ("up", dense.up), ("down", dense.down))))
+
+
 def fill_layer(source: SafetensorsExpertSource, fmt: str, files: list[StagedFile], ranges,
                reading=nullcontext()) -> None:
     """Read ``source``'s experts into its pool files' tensors, quantised on the way for int8: straight into the
@@ -159,9 +165,7 @@ def fill_layer(source: SafetensorsExpertSource, fmt: str, files: list[StagedFile
         with reading:
             source.read_into(weights, experts)
         if fmt == "int8":
-            into = file_weights(files[0], fmt, experts) if whole else Int8Experts(
-                *((reused(f"{p}.codes", torch.int8, w.shape), reused(f"{p}.scales", torch.float32, w.shape[:-1]))
-                  for p, w in (("gate", weights.gate), ("up", weights.up), ("down", weights.down))))
+            into = file_weights(files[0], fmt, experts) if whole else reused_int8(weights)
             quantize_experts(weights, into)
             if whole:
                 continue

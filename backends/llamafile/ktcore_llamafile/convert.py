@@ -4,9 +4,10 @@ Layout of the output (``DIR/<stem>.<format>.gguf``, written atomically): a compl
 metadata key and every non-expert tensor is copied unchanged (quantised tensors as their raw blocks); the
 routed experts (the family's ``gguf_expert_keys``: ``blk.L.ffn_{gate,up,down}_exps.weight``, or for dense
 Llama the MLPs ``blk.L.ffn_*``, which ktcore runs as one expert) are written as ``--format`` blocks.
-``general.file_type`` is left as it was; ``ktcore.converted_by`` marks the file as this converter's output. Rows whose length is not a multiple of the block size (e.g. Q4_K with
-I = 1408) fall back to Q8_0, as llama.cpp's quantiser falls back for such rows (``expert_block_format``). Every
-tensor header is written first and then the data tensor by tensor, so memory holds one layer's experts (as
+``general.file_type`` is left as it was; ``ktcore.converted_by`` marks the file as this converter's output
+(the one kind of file ``--overwrite`` replaces). Rows whose length is not a multiple of the block size (e.g.
+Q4_K with I = 1408) fall back to Q8_0, as llama.cpp's quantiser falls back for such rows
+(``expert_block_format``). Every tensor header is written first and then the data tensor by tensor, so memory holds one layer's experts (as
 float32 and as blocks) at most, whatever the model's size. Load it with
 ``ktcore.load_model(path, {"kt_backend": "llamafile"})``: the experts go into the backend as the file's
 blocks, read from the mmap, never dequantised.
