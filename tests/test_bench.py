@@ -76,5 +76,5 @@ def test_bench_convert_times_a_model_against_dd_and_removes_its_store(tmp_path, 
     assert result.exit_code == 0, result.output
     data = json.loads(result.output.strip().splitlines()[-1])
     assert data["format"] == fmt and data["convert_mb_per_s"] > 0 and data["dd_mb_per_s"] > 0
-    assert data["ratio"] > 0 and data["dd_write_mb_per_s"] > 0
+    assert data["ratio"] > 0 and data["dd_write_mb_per_s"] > 0 and 0 <= data["startup_s"] <= data["convert_s"]
     assert not (tmp_path / "work" / "store").exists()  # removed without --keep
