@@ -194,23 +194,29 @@ def test_kills_during_adapter_convert_leave_the_old_or_the_new_adapter(base_and_
     assert ktcore("adapter", "verify", dst).returncode == 0
 
 
-def test_kills_during_convert_leave_no_partial_gguf(tmp_path):
-    """``ktcore convert``: killed before its rename, the output is absent (or the earlier one intact), never a
-    partial GGUF; the next run removes the killed run's temp file and writes it whole."""
+def gguf_to_convert(tmp_path):
+    """(a tiny Mixtral GGUF, the --out folder, the Q8_0 file ``ktcore convert`` writes there); skips where the
+    llamafile backend's converter is missing."""
     pytest.importorskip("gguf")
     from archs import tiny_model
     from test_gguf import write_gguf
 
     from ktcore.plugins.select import resolve_backend
-    from ktcore.weights.gguf_reader import GGUFFile
 
     why = resolve_backend("llamafile").reasons.get("llamafile", "not installed")
     if why is not None and not why.startswith("usable"):
         pytest.skip(f"ktcore convert needs the llamafile backend's converter: {why}")
     src = tmp_path / "m.gguf"
     write_gguf(tiny_model("mixtral", seed=4), "mixtral", src)
-    out = tmp_path / "out"
-    dst = out / "m.q8_0.gguf"
+    return src, tmp_path / "out", tmp_path / "out" / "m.q8_0.gguf"
+
+
+def test_kills_during_convert_leave_no_partial_gguf(tmp_path):
+    """``ktcore convert``: killed before its rename, the output is absent (or the earlier one intact), never a
+    partial GGUF; the next run removes the killed run's temp file and writes it whole."""
+    from ktcore.weights.gguf_reader import GGUFFile
+
+    src, out, dst = gguf_to_convert(tmp_path)
     killed = ktcore("convert", src, "--format", "q8_0", "--out", out, fault="output:written")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not dst.exists() and len(temp_siblings(dst)) == 1  # the whole temp file, under ktcore's temp name
@@ -229,19 +235,7 @@ def test_kills_during_convert_leave_no_partial_gguf(tmp_path):
 def test_convert_of_a_gguf_replaces_only_its_own_output_and_only_with_overwrite(tmp_path):
     """An existing output file is refused in one line naming it, before anything is read, unless it is an earlier
     output of ``ktcore convert`` and --overwrite is given; a file ktcore did not write is never replaced."""
-    pytest.importorskip("gguf")
-    from archs import tiny_model
-    from test_gguf import write_gguf
-
-    from ktcore.plugins.select import resolve_backend
-
-    why = resolve_backend("llamafile").reasons.get("llamafile", "not installed")
-    if why is not None and not why.startswith("usable"):
-        pytest.skip(f"ktcore convert needs the llamafile backend's converter: {why}")
-    src = tmp_path / "m.gguf"
-    write_gguf(tiny_model("mixtral", seed=4), "mixtral", src)
-    out = tmp_path / "out"
-    dst = out / "m.q8_0.gguf"
+    src, out, dst = gguf_to_convert(tmp_path)
     out.mkdir()
     dst.write_bytes(b"someone else's file")
     for args in ([], ["--overwrite"]):

@@ -46,18 +46,23 @@ def contexts():
     return _active("record", tape), _active("replay", tape)
 
 
+def _tape(mode: str) -> Optional[Tape]:
+    """The tape of the checkpointed layer being run in ``mode`` ("record": its forward, "replay": its
+    recomputation), else None."""
+    active = getattr(_state, "active", None)
+    return active[1] if active is not None and active[0] == mode else None
+
+
 def recomputing() -> bool:
     """True while a checkpointed layer is being recomputed in backward."""
-    active = getattr(_state, "active", None)
-    return active is not None and active[0] == "replay"
+    return _tape("replay") is not None
 
 
 def replayed() -> Optional[torch.Tensor]:
     """The recorded output of this experts call when a checkpointed layer is being recomputed, else None."""
-    active = getattr(_state, "active", None)
-    if active is None or active[0] != "replay":
+    tape = _tape("replay")
+    if tape is None:
         return None
-    tape = active[1]
     y = tape.outputs[tape.replayed]
     tape.replayed += 1
     return y
@@ -65,24 +70,23 @@ def replayed() -> Optional[torch.Tensor]:
 
 def record(y: torch.Tensor) -> None:
     """Keep ``y`` for the recomputation when called inside a checkpointed layer's forward."""
-    active = getattr(_state, "active", None)
-    if active is not None and active[0] == "record":
-        active[1].outputs.append(y)
+    tape = _tape("record")
+    if tape is not None:
+        tape.outputs.append(y)
 
 
 def keep(decision) -> None:
     """Keep a call's decision for the recomputation when called inside a checkpointed layer's forward."""
-    active = getattr(_state, "active", None)
-    if active is not None and active[0] == "record":
-        active[1].decisions.append(decision)
+    tape = _tape("record")
+    if tape is not None:
+        tape.decisions.append(decision)
 
 
 def kept():
     """The decision the forward kept (``keep``) for this call while a checkpointed layer is recomputed, else None."""
-    active = getattr(_state, "active", None)
-    if active is None or active[0] != "replay":
+    tape = _tape("replay")
+    if tape is None:
         return None
-    tape = active[1]
     decision = tape.decisions[tape.repeated]
     tape.repeated += 1
     return decision
