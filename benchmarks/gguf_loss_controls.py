@@ -70,6 +70,14 @@ def summary(name: str, losses: list, bf16: list) -> dict:
     return out
 
 
+def show(run: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(run), flush=True)
+    else:
+        print(f"{run['run']:32s}" + "".join(f"  {k} {run[k]:.3f} ({run[k + '_vs_bf16']:+.1%})"
+                                            for k in ("last", "mean5", "mean10")), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=3)
@@ -90,20 +98,15 @@ def main() -> None:
     try:
         model = bt.write_random_model(bt.make_config(settings.shape, args.layers, False), scratch / "model")
         bf16 = curve(settings, model, args.backend)
-        runs = [summary("bf16", bf16, bf16)]
-        for seed in [int(s) for s in args.seeds.split(",") if s]:
-            path = perturbed(model, scratch / f"perturbed-{seed}", args.noise, seed)
-            runs.append(summary(f"bf16 x (1 + {args.noise} N), seed {seed}", curve(settings, path, args.backend), bf16))
-            shutil.rmtree(path)
+        show(summary("bf16", bf16, bf16), args.json)
         formats = [f for f in args.formats.split(",") if f]
         for fmt, path in bt.write_gguf_models(model, formats, scratch).items():
-            runs.append(summary(fmt, curve(settings, path, bt.GGUF_BACKEND), bf16))
-        for r in runs:
-            if args.json:
-                print(json.dumps(r))
-            else:
-                print(f"{r['run']:32s}" + "".join(f"  {k} {r[k]:.3f} ({r[k + '_vs_bf16']:+.1%})"
-                                                  for k in ("last", "mean5", "mean10")))
+            show(summary(fmt, curve(settings, path, bt.GGUF_BACKEND), bf16), args.json)
+        for seed in [int(s) for s in args.seeds.split(",") if s]:
+            path = perturbed(model, scratch / f"perturbed-{seed}", args.noise, seed)
+            show(summary(f"bf16 x (1 + {args.noise} N), seed {seed}", curve(settings, path, args.backend), bf16),
+                 args.json)
+            shutil.rmtree(path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
