@@ -14,8 +14,9 @@ Which experts. Each call adds its token-slots per expert to a float counter on t
 (``index_add_``: no host synchronisation; ``bincount`` would read the largest id back). Every
 ``kt_gpu_experts_interval`` forward calls the layer copies the counts to pinned host memory without waiting, halves
 them (so the last interval weighs as much as all before it), and at its next call, once that copy has landed
-(it has: a whole step ran since), takes the N experts with the most slots (ties: those resident already, then
-the lower id) and, when they differ, copies their weights into a new device buffer. A new buffer, not the old one
+(it has: a whole step ran since), takes the N experts with the most slots, where an expert displaces a resident
+one only with significantly more slots (``top_experts``), and, when they differ, copies their weights into a new
+device buffer. A new buffer, not the old one
 overwritten: the old set stays intact for a backward that still needs it. The interval counts forward calls
 (micro-batches), not optimizer steps: a layer sees its calls, and neither the frontend's step nor gradient
 accumulation change what is resident-worthy. At the default of 8 a refresh copies at most N experts per layer
@@ -33,6 +34,7 @@ closed after loading (an ephemeral store deleted), and a refresh would read the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -45,6 +47,9 @@ from .peft_expert_lora import expert_lora_of
 from .stream import GPU_EXPERTS_IMPLEMENTATION, _WeightsOf, _with_lora, rebuilt_in_backward
 
 DECAY = 0.5  # counts are multiplied by this at each choice: the last interval weighs as much as all before it
+# an expert displaces a resident one only with this many standard deviations more slots (``top_experts``); decayed
+# counts vary less than Poisson counts of the same mean, so this errs on the side of keeping the set
+SWAP_SIGMAS = 2.0
 
 
 def check_count(n: int, experts: int, name: str) -> None:
@@ -55,11 +60,21 @@ def check_count(n: int, experts: int, name: str) -> None:
 
 
 def top_experts(counts: Sequence[float], n: int, current: Sequence[int] = ()) -> tuple[int, ...]:
-    """The ``n`` experts with the most token-slots, ascending; a tie goes to an expert already resident (no copy
-    for nothing), then to the lower id."""
+    """The ``n`` experts to keep resident, ascending. Without a current set, the ``n`` with the most token-slots
+    (ties: the lower id). With one, an expert displaces the resident one with the fewest slots only while its
+    count is higher by more than ``SWAP_SIGMAS`` standard deviations of the difference of two counts (as Poisson
+    counts: the square root of their sum): a tie or noise moves nothing, so the handful of slots of a chat's decode
+    steps does not re-copy experts for nothing, while a real shift of the routing still wins."""
+    if len(current) != n:
+        return tuple(sorted(sorted(range(len(counts)), key=lambda e: (-counts[e], e))[:n]))
     held = set(current)
-    order = sorted(range(len(counts)), key=lambda e: (-counts[e], e not in held, e))
-    return tuple(sorted(order[:n]))
+    for candidate in sorted(set(range(len(counts))) - held, key=lambda e: (-counts[e], e)):
+        weakest = min(held, key=lambda e: (counts[e], -e))
+        if counts[candidate] - counts[weakest] <= SWAP_SIGMAS * math.sqrt(counts[candidate] + counts[weakest]):
+            break
+        held.remove(weakest)
+        held.add(candidate)
+    return tuple(sorted(held))
 
 
 @dataclass(frozen=True)
