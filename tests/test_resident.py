@@ -321,3 +321,28 @@ def test_gguf_blocks_on_llamafile_with_resident_experts(tmp_path):
         bound = max(2 * max(relative_error(cpu_grads[n], ref_grads[n]) for n in ref_grads), 1e-4)
         assert max(relative_error(got_grads[n], ref_grads[n]) for n in ref_grads) <= bound
     assert all(r.refreshes >= 1 for r in resident)
+
+
+def test_host_expert_lora_leaves_resident_layers_with_the_model():
+    """The frontends' PEFT wrapping (``peft_wrapping``: ``keep_on_host``) moves the expert LoRA of the layers a CPU
+    backend computes whole to the host, and none of a layer with resident experts: its GPU share gathers them on the
+    model's device (a host factor there fails on a GPU, and here would pass unseen)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from ktcore.model.host_lora import HostLoRALinear
+    from ktcore.model.peft_expert_lora import peft_wrapping
+
+    family = "deepseek_v2"
+    model = ktcore.wrap_model(tiny_model(family), {"kt_config": {
+        "kt_backend": "torch", "kt_expert_lora_device": "host", "kt_num_gpu_experts": 2,
+        "kt_placement": [{"match": rf"layers\.{MOE_LAYERS[family][0]}\.", "num_gpu_experts": 0}]}})
+    with peft_wrapping(model):
+        peft = get_peft_model(model, lora_config())
+    on_host = {}
+    for name, wrapper in peft.named_modules():
+        if isinstance(wrapper, ParamWrapper):
+            layer = name.split(".mlp.")[0].rsplit(".", 1)[-1]
+            on_host.setdefault(int(layer), set()).update(
+                isinstance(f, HostLoRALinear) for f in (*wrapper.lora_A.values(), *wrapper.lora_B.values()))
+    first, *others = MOE_LAYERS[family]
+    assert on_host[first] == {True} and others and all(on_host[i] == {False} for i in others)

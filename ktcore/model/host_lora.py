@@ -53,10 +53,11 @@ def wants_host(model) -> bool:
 
 
 def on_cpu_backend(experts) -> bool:
-    """A routed-experts module computed wholly by a CPU backend (not on the GPU, streamed or split)."""
-    marks = experts.__dict__  # what wrap.py installed: a split layer (hybrid, auto) also computes on the GPU
+    """A routed-experts module computed wholly by a CPU backend (not on the GPU, streamed, split or with experts
+    resident on the GPU)."""
+    marks = experts.__dict__  # what wrap.py installed: a split layer (hybrid, auto, resident) also computes on the GPU
     return "_ktcore_layer" in marks and not any(k in marks for k in ("_ktcore_stream", "_ktcore_auto",
-                                                                       "_ktcore_cpu_experts"))
+                                                                       "_ktcore_cpu_experts", "_ktcore_resident"))
 
 
 def expert_lora_factors(module) -> list:
