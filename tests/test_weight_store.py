@@ -325,22 +325,28 @@ def test_ephemeral_deletes_each_layer_once_loaded_and_everything_on_a_signal(bf1
         assert result.returncode == -signal.SIGTERM
 
 
-def test_expert_weights_of_a_store_are_those_of_the_checkpoint(bf16_model, stores):
-    """read(dtype) joins the thread-pool files back into whole [E, I, H] / [E, H, I] tensors."""
+def assert_store_holds_the_checkpoints_experts(store_dir, model_dir) -> None:
+    """Every experts module read from the bf16 store at ``store_dir`` (its thread-pool files joined back into whole
+    [E, I, H] / [E, H, I] tensors) equals the checkpoint's, bit for bit."""
     from ktcore.model.wrap import expert_modules, find_arch
     from ktcore.weights.loading import meta_model_of
     from ktcore.weights.store_sources import StoreExpertSource
 
-    config, model = meta_model_of(bf16_model)
+    config, model = meta_model_of(model_dir)
     arch = find_arch(config)
-    store = open_store(stores / "bf16", "experts", model_fingerprint(bf16_model), "kt_weight_path")
-    with SafetensorsCheckpoint(bf16_model) as ckpt:
+    store = open_store(store_dir, "experts", model_fingerprint(model_dir), "kt_weight_path")
+    assert not hasattr(StoreExpertSource, "read_int8")
+    with SafetensorsCheckpoint(model_dir) as ckpt:
         for layer, name, module in expert_modules(model, arch):
             want = SafetensorsExpertSource(ckpt, arch, layer, module).read(torch.bfloat16)
             got = StoreExpertSource(store, name, arch, module).read(torch.bfloat16)
-            assert isinstance(got, ExpertWeights) and not hasattr(StoreExpertSource, "read_int8")
+            assert isinstance(got, ExpertWeights)
             for a, b in zip((got.gate, got.up, got.down), (want.gate, want.up, want.down)):
                 assert torch.equal(a, b)
+
+
+def test_expert_weights_of_a_store_are_those_of_the_checkpoint(bf16_model, stores):
+    assert_store_holds_the_checkpoints_experts(stores / "bf16", bf16_model)
 
 
 # ---- the seed's INT8 recipe through the TRL frontend ----------------------------------------------------------
@@ -555,10 +561,6 @@ def test_a_fused_checkpoint_converts_to_the_files_of_its_per_expert_one(bf16_mod
     """The per-expert checkpoint (read straight into the file, or a few experts at a time) and the fused one
     (read whole, then split) give store files with the same SHA-256; a one-file bf16 layer reads back as the
     checkpoint's experts."""
-    from ktcore.model.wrap import expert_modules, find_arch
-    from ktcore.weights.loading import meta_model_of
-    from ktcore.weights.store_sources import StoreExpertSource
-
     _fused_copy(bf16_model, tmp_path / "fused")
     convert_model(bf16_model, tmp_path / "per_expert_store", fmt, threadpools, progress=False)
     convert_model(tmp_path / "fused", tmp_path / "fused_store", fmt, threadpools, progress=False)
@@ -566,12 +568,4 @@ def test_a_fused_checkpoint_converts_to_the_files_of_its_per_expert_one(bf16_mod
                                                                                          "fused_store")]
     assert files[0] == files[1] and len(files[0]) == 2 * threadpools
     if fmt == "bf16" and threadpools == 1:
-        config, model = meta_model_of(bf16_model)
-        arch = find_arch(config)
-        store = open_store(tmp_path / "per_expert_store", "experts", model_fingerprint(bf16_model), "k")
-        with SafetensorsCheckpoint(bf16_model) as ckpt:
-            for layer, name, module in expert_modules(model, arch):
-                want = SafetensorsExpertSource(ckpt, arch, layer, module).read(torch.bfloat16)
-                got = StoreExpertSource(store, name, arch, module).read(torch.bfloat16)
-                for a, b in zip((got.gate, got.up, got.down), (want.gate, want.up, want.down)):
-                    assert torch.equal(a, b)
+        assert_store_holds_the_checkpoints_experts(tmp_path / "per_expert_store", bf16_model)
