@@ -25,11 +25,12 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes int8 [..., N, K], scales float32 [..., N])`` of ``weight [..., N, K]``."""
     if weight.dim() < 2 or not weight.is_floating_point():
         raise ValueError(f"expected a floating-point weight [..., N, K], got {weight.dtype} {tuple(weight.shape)}")
-    w = weight.to(torch.float32)
-    scales = w.abs().amax(dim=-1) / QMAX
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(w / divisor.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return codes, scales
+    rows = weight.reshape(-1, weight.shape[-1])
+    codes = torch.empty(rows.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows.shape[0], dtype=torch.float32, device=weight.device)
+    quantize_into(rows, codes, scales, torch.empty(rows.shape, dtype=torch.float32, device=weight.device),
+                  torch.empty_like(rows))
+    return codes.view(weight.shape), scales.view(weight.shape[:-1])
 
 
 def quantize_into(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, work: torch.Tensor,
