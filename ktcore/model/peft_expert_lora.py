@@ -59,10 +59,10 @@ def _get_delta_factors(self, adapter_name):
     the views of the LoRA parameters in their own dtype (PEFT 0.21's layout, see the module docstring), uncast.
 
     Why there too, with the model on a GPU (``kt_expert_lora_device: model``): the native backends compute the LoRA
-    terms in fp32 in any case; fp32 factors cross PCIe at twice the bytes of bf16 ones: for DeepSeek-V2-Lite at r=8, 4.2 M elements a
-    layer, 8.4 MB more each way, 0.15 ms at the 55 GB/s pinned host-to-device rate measured on the H200 machine
-    (``examples/rates/h200.json``), about 8 ms for the 26 layers' forward and backward against a step of over 3 s
-    (0.3%). For that, the gradients reach the parameters unrounded (a bf16 gradient is off by up to 2^-9 of each
+    terms in fp32 in any case; fp32 factors cross PCIe at twice the bytes of bf16 ones: for DeepSeek-V2-Lite at
+    r=8, 4.2 M elements a layer, 8.4 MB more each way, 0.15 ms at the 55 GB/s pinned host-to-device rate measured on
+    the H200 machine (``examples/rates/h200.json``), about 8 ms for the 26 layers' forward and backward against a
+    step of over 3 s (0.3%). For that, the gradients reach the parameters unrounded (a bf16 gradient is off by up to 2^-9 of each
     element), the forward uses the factors the optimizer holds, and the same adapter trains to the same numbers
     with ``kt_expert_lora_device: model`` or ``host``, on a GPU or a CPU model."""
     base = self.get_base_layer()
@@ -141,10 +141,9 @@ def lora_targets(model, arch, lora_target: str) -> tuple[list[str], list[str]]:
     'all' means the architecture's linear layers plus the routed experts; 'experts' in a list means the
     routed experts' gate_up_proj and down_proj; any other name every module of that name. A Linear name PEFT
     would move onto the routed experts (``peft_renamed``) is given to PEFT as the parameter ``<name>.weight``
-    instead: PEFT's transformers-4
-    conversion rewrites every form of ``target_modules`` that reaches such a Linear (the bare name, a full module
-    path, a regex string: it resolves a regex to the leaf names it matches first) but leaves
-    ``target_parameters`` alone, and a ParamWrapper on a Linear's 2-D weight is a plain rank-r LoRA
+    instead: PEFT's transformers-4 conversion rewrites every form of ``target_modules`` that reaches such a Linear
+    (the bare name, a full module path, a regex string: it resolves a regex to the leaf names it matches first) but
+    leaves ``target_parameters`` alone, and a ParamWrapper on a Linear's 2-D weight is a plain rank-r LoRA
     (``lora_A`` [r, in], ``lora_B`` [out, r], delta ``scaling * B @ A``) saved under the same keys as one made
     through ``target_modules``.
     """
