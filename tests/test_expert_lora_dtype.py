@@ -75,7 +75,10 @@ def test_backend_fp32_lora_gradients_reach_the_parameters_unrounded(backend):
     """Each MoE layer's expert-LoRA gradients on the fp32 parameters against float64 autograd of the same layer on
     the same bf16 inputs, routing and output gradient (recorded at the experts module), with the bf16 expert
     weights exactly and the fp32 factors. The backend's LoRA arithmetic is fp32: measured 1.4e-7..2.1e-7 relative
-    (the gradients through PEFT's bf16 casts were 1.5e-3..1.8e-3 off, every element a bf16 value)."""
+    (the gradients through PEFT's bf16 casts were 1.5e-3..1.8e-3 off, every element a bf16 value). amx_bf16 feeds
+    its fp32 LoRA arithmetic the bf16 rows its tile multiplies read (the activation and the gate/up output
+    gradient), as a bf16 model's own autograd would: 1.7e-3 off on an AMX host, still no element a bf16 value."""
+    bound = 2e-2 if backend == "amx_bf16" else 1e-5  # 12x and 50x the error measured on each
     plain = _plain()
     bf16 = copy.deepcopy(plain).to(torch.bfloat16)
     weights = {n: canonical_weights(m, m.gate_up_proj.detach(), m.down_proj.detach())
@@ -101,8 +104,7 @@ def test_backend_fp32_lora_gradients_reach_the_parameters_unrounded(backend):
         want = torch.autograd.grad(y, list(lora.tensors()), grad_y.double())
         for part, got, ref in zip(("gate_up A", "gate_up B", "down A", "down B"), (*gu_grads, *d_grads), want):
             assert got.dtype == torch.float32, part
-            # 1e-5: about 50x the measured error, and 150x below what the cast path gave
-            assert relative_error(got, ref) <= 1e-5, (name, part, relative_error(got, ref))
+            assert relative_error(got, ref) <= bound, (name, part, relative_error(got, ref))
             # through a bf16 cast every gradient element is a bf16 value; fp32 ones almost never are (2^-16)
             assert (got == got.bfloat16().float()).float().mean() < 0.05, (name, part)
 
