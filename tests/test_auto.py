@@ -10,7 +10,7 @@ import json
 import math
 import random
 import types
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from test_equivalence import (assert_as_close_as_plain_bf16, assert_same_trainin
 
 import ktcore
 from ktcore.commands.bench_train import SHAPES, make_config
-from ktcore.model.auto import AutoLayer, AutoPlacement, _Call
+from ktcore.model.auto import FEWEST, MODEL, MOST, TRIAL_STEPS, AutoLayer, AutoPlacement, _Call
 from ktcore.model.checkpointing import checkpoint_non_experts
 from ktcore.model.cost import (GIB, LayerTimes, Rates, Setting, _host_memory, auto_split, choice_name, layer_times,
                                load_rates, predict)
@@ -31,6 +31,12 @@ from ktcore.model.shape import model_shape
 SWITCHING = {"cpu_expert_gflops": 1.0, "dram_gbps": 100.0, "cpu_cores": 2, "h2d_gbps": 0.01, "gpu_tflops": 1.0,
              "gpu_layer_ms": 0.0}
 H200 = load_rates("examples/rates/h200.json")
+
+
+def model_choice(auto, state, tokens):
+    """The cost model's split of a call: outside training no step is tried (``StepTrials``)."""
+    with torch.no_grad():
+        return auto.decide(state, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +90,7 @@ def test_auto_is_within_5_percent_of_the_best_fixed_placement(dsv2lite, rates):
         times = layer_times(dsv2lite, step, rates)
         other = (dsv2lite.layers - dsv2lite.moe_layers) * times.dense_s
         fixed += [other + dsv2lite.moe_layers * times.at(n / experts) for n in range(1, experts)]
-        n = auto.decide(state, tokens)
+        n = model_choice(auto, state, tokens)
         chosen = other + dsv2lite.moe_layers * times.at(n / experts)
         assert chosen <= 1.05 * min(fixed), (tokens, choice_name(n, experts))
         assert predict(dsv2lite, step, rates, "auto").step_s <= min(fixed) * (1 + 1e-12)
@@ -107,12 +113,23 @@ def test_auto_narrows_to_what_host_ram_holds_twice(dsv2lite):
 
 
 # -- the re-balancer -------------------------------------------------------------------------------------------------
+class Clock:
+    """The synthetic machine's clock: ``feed`` advances it by each step's true time."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 def feed(auto, state, tokens, truth: LayerTimes, noise=None):
     """One call on a synthetic machine whose times are ``truth``: the backend's seconds for the CPU's share
     (forward + backward), the GPU's forward of its share and the copy of its experts, as the layer measures them."""
     n = auto.decide(state, tokens)
     share = n / state.experts
     jitter = (lambda: 1 + noise.uniform(-0.05, 0.05)) if noise else (lambda: 1.0)
+    auto.clock.now += truth.at(share) * jitter()  # the step's time: the layer is the whole model
     if n:
         state.cpu_calls.append((tokens, n))
         state.layer.timeline.cpu_span("experts", share * truth.cpu_s * jitter())
@@ -124,6 +141,7 @@ def feed(auto, state, tokens, truth: LayerTimes, noise=None):
 
 def rebalanced(shape, rates):
     auto = AutoPlacement(shape, Setting(tokens=4096), rates)
+    auto.clock = Clock()
     state = AutoLayer("layer", 0, shape.experts, 1, shape.experts - 1, types.SimpleNamespace(timeline=None))
     auto.add(state)
     return auto, state
@@ -160,6 +178,41 @@ def test_rebalancer_holds_still_under_noise(dsv2lite):
     assert sum(a != b for a, b in zip(splits[20:], splits[21:])) <= 4
 
 
+@dataclass(frozen=True)
+class SplitCost(LayerTimes):
+    """A machine where splitting a layer costs what no part shows (the CPU share slowed by the copies, the host
+    thread that launches the GPU's work starved by the backend's pool): ``split_s`` more per step."""
+
+    split_s: float = 0.0
+
+    def at(self, share: float) -> float:
+        return super().at(share) + (self.split_s if 0 < share < 1 else 0.0)
+
+
+def test_measured_steps_overrule_the_cost_model(dsv2lite):
+    """On the H200 machine the cost model's hybrid splits at 2K tokens ran 1.8x slower than gpu_stream, which every
+    part's factor missed. On a synthetic machine with such a cost, auto tries gpu_stream (the window's end with the
+    fewest CPU experts) and its own splits for TRIAL_STEPS steps each, skips cpu (predicted over PRUNE times
+    slower), keeps gpu_stream and says so once; calls outside training neither count nor change the trial."""
+    tokens, experts = 2048, dsv2lite.experts
+    auto = AutoPlacement(dsv2lite, Setting(tokens=4096), H200)
+    auto.clock = Clock()
+    state = AutoLayer("layer", 0, experts, 0, experts, types.SimpleNamespace(timeline=None))
+    auto.add(state)
+    truth = SplitCost(*vars(layer_times(dsv2lite, Setting(tokens=tokens), H200)).values(), split_s=0.025)
+    assert auto.candidates(tokens) == [FEWEST, MODEL]
+    assert 0 < model_choice(auto, state, tokens) < experts  # the cost model alone would split
+    splits = []
+    for step in range(3 * TRIAL_STEPS):
+        splits.append(feed(auto, state, tokens, truth))
+        outside = model_choice(auto, state, tokens)  # an evaluation: the kept policy, else the cost model's
+        assert outside == 0 if auto.trials.kept else 0 < outside < experts
+    assert splits[:TRIAL_STEPS] == [0] * TRIAL_STEPS and all(0 < n < experts for n in splits[TRIAL_STEPS:-3])
+    assert splits[-3:] == [0, 0, 0] and auto.trials.kept == {11: FEWEST}
+    assert truth.at(0) < truth.at(splits[TRIAL_STEPS] / experts)
+    auto._log()
+
+
 def test_splits_that_do_not_fit_the_gpu_are_not_taken(dsv2lite):
     """A GPU whose memory holds the step only with most experts on the CPU: the split stays at or above the fewest
     CPU experts that fit, although streaming more would be faster."""
@@ -167,13 +220,13 @@ def test_splits_that_do_not_fit_the_gpu_are_not_taken(dsv2lite):
     free = AutoPlacement(dsv2lite, Setting(tokens=4096), H200)
     state = AutoLayer("layer", 0, experts, 0, experts, types.SimpleNamespace(timeline=None))
     free.add(state)
-    fast = free.decide(state, tokens)
+    fast = model_choice(free, state, tokens)
     limit = (predict(dsv2lite, Setting(tokens=tokens), H200, "cpu").gpu_gib
              + predict(dsv2lite, Setting(tokens=tokens), H200, "gpu_stream").gpu_gib) / 2
     tight = AutoPlacement(dsv2lite, Setting(tokens=4096), replace(H200, gpu_mem_gib=limit))
     state = AutoLayer("layer", 0, experts, 0, experts, types.SimpleNamespace(timeline=None))
     tight.add(state)
-    n = tight.decide(state, tokens)
+    n = model_choice(tight, state, tokens)
     floor = tight.gpu_floor(tokens, 0, experts)
     assert fast < floor <= n < experts
     step = Setting(tokens=tokens)
@@ -257,6 +310,31 @@ def test_auto_switches_with_the_tokens_and_says_so_once(tmp_path, capsys):
     assert len(lines) == 2, lines
     assert lines[0].startswith("ktcore: auto placement: model.layers.0-2.mlp.experts, 8 tokens: cpu, predicted ")
     assert "1024 tokens" in lines[1] and "ms per layer and step (" in lines[1]
+
+
+def test_training_steps_try_each_candidate_then_keep_one(tmp_path, capsys):
+    """A real model on the switching rates at 256 tokens (where the cost model splits, and neither window end is
+    pruned): the training steps take the fewest CPU experts, the most, then the cost model's split, TRIAL_STEPS
+    each, then keep the fastest measured and say so in one line; an evaluation between them changes nothing."""
+    ours = auto_model(tiny_model_of("qwen3_moe"), tmp_path)
+    auto = ours.ktcore.auto
+    first = auto.layers[min(auto.layers)]
+    assert auto.candidates(256) == [FEWEST, MOST, MODEL]
+    model = get_peft_model(ours, lora_config())
+    ids = torch.randint(0, 96, (2, 128))
+    taken = []
+    for _ in range(3 * TRIAL_STEPS + 2):
+        model(ids, labels=ids).loss.backward()
+        taken.append(first.n)
+        with torch.no_grad():
+            model(ids)
+    assert taken[:2 * TRIAL_STEPS] == [0] * TRIAL_STEPS + [6] * TRIAL_STEPS
+    assert all(0 < n < 6 for n in taken[2 * TRIAL_STEPS:3 * TRIAL_STEPS])  # the model's splits, still learning
+    kept = auto.trials.kept[8]
+    assert auto.settled(256) and taken[-1] == {FEWEST: 0, MOST: 6, MODEL: auto._split(first, 256, MODEL)}[kept]
+    lines = [line for line in capsys.readouterr().err.splitlines() if "measured steps" in line]
+    assert len(lines) == 1 and lines[0].startswith("ktcore: auto placement, 256 tokens, measured steps: ")
+    assert lines[0].endswith(f": keeps {kept}") and all(p in lines[0] for p in (FEWEST, MOST, MODEL))
 
 
 def test_hybrid_without_a_share_is_rebalanced(tmp_path):

@@ -30,6 +30,7 @@ import torch
 
 DENSE_LINEARS = ("gate_proj", "up_proj", "down_proj")  # dense MLPs and shared experts
 GIB = 2**30
+MAX_SETTLING_STEPS = 12  # auto placement's trials: at most 3 candidates x TRIAL_STEPS, and reading the last
 
 
 @dataclass(frozen=True)
@@ -238,33 +239,47 @@ def lora_config(model, rank: int, experts: bool = True):
 
 
 def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None,
-                memory: bool = False) -> dict:
-    """Time ``steps`` SFT steps of one ``tokens``-long sequence (after ``warmup``): mean step seconds and, with a
+                memory: bool = False, settled=None) -> dict:
+    """Time ``steps`` SFT steps of one ``tokens``-long sequence after ``warmup``, and after more while
+    ``settled()`` is false (auto placement trying its candidates): mean step seconds, the steps run, and, with a
     timeline, its mean spans per step; with ``memory``, one more step measured by phase (``memory_of_step``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator().manual_seed(tokens)
     vocab = model.config.get_text_config().vocab_size
+
+    def batch():
+        return torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+
+    def step(ids):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step(batch())
+    settling = 0
+    while settled is not None and not settled() and settling < MAX_SETTLING_STEPS:
+        step(batch())
+        settling += 1
     times, spans = [], []
-    for i in range(warmup + steps):
-        ids = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+    for _ in range(steps):
+        ids = batch()
         _sync(device)
         if timeline is not None:
             timeline.reset()
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step(ids)
         _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-            if timeline is not None:
-                spans.append(timeline.resolve())
-    out = {"step_s": statistics.mean(times), **_peaks(device)}  # before the memory step resets the GPU's peak
+        times.append(time.perf_counter() - start)
+        if timeline is not None:
+            spans.append(timeline.resolve())
+    out = {"step_s": statistics.mean(times), "steps_run": warmup + settling + steps,
+           **_peaks(device)}  # before the memory step resets the GPU's peak
     if spans:
         out["spans"] = {k: statistics.mean(s[k] for s in spans) for k in spans[0]}
     if memory:
-        out["memory"] = memory_of_step(model, optimizer, torch.randint(0, vocab, (1, tokens), generator=g).to(device))
+        out["memory"] = memory_of_step(model, optimizer, batch())
     del optimizer
     return out
 
@@ -485,23 +500,24 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                 _reset_peaks(device)
                 copied = stream.copied_bytes if stream else 0
                 copied_resident, refreshes = (sum(r.copied_bytes for r in resident), sum(r.refreshes for r in resident))
+                auto = base.ktcore.auto
                 with attach(base) as timeline:
-                    timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True)
+                    timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True,
+                                        settled=auto and (lambda: auto.settled(tokens)))
                 step_s = timed["step_s"]
                 split = split_of(step_s, timed["spans"], device)
                 # host-to-device expert bytes per step (gpu_stream), and the pinned-bandwidth bound they set
-                split["h2d_gb"] = ((stream.copied_bytes - copied) / (settings.warmup + settings.steps) / 1e9
+                split["h2d_gb"] = ((stream.copied_bytes - copied) / timed["steps_run"] / 1e9
                                    if stream else 0.0)
                 if resident:  # kt_num_gpu_experts: the resident experts' refresh copies, per step
                     split["h2d_gb"] = ((sum(r.copied_bytes for r in resident) - copied_resident)
-                                       / (settings.warmup + settings.steps) / 1e9)
+                                       / timed["steps_run"] / 1e9)
                     split["gpu_experts_refreshes"] = sum(r.refreshes for r in resident) - refreshes
                 if not expert_lora:
                     step_off = step_s
                 elif step_off is not None:
                     split["expert_lora_s"] = step_s - step_off
                 denominator = (kernels["kernel_s"] or 0) + split["gpu_busy_s"]
-                auto = base.ktcore.auto
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, step_s=step_s,
                            tok_s=tokens / step_s, split=split, **kernels,
                            overhead_ratio=step_s / denominator if kernels["kernel_s"] else None,

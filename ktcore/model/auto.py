@@ -17,6 +17,16 @@ overshooting. A call takes a new split only when it is predicted at least 2% fas
 noise does not flip it (and auto stays within 2% of the best split the factors predict). Splits whose step the
 cost model does not fit in the GPU's memory (``gpu_mem_gib`` of the rates) are not taken. One line on stderr per
 change of choice: the layer range, the tokens, the choice and its predicted time beside the others'.
+
+Measured steps decide. A split can be slower than every part's factor says: on the H200 machine the cost model's
+hybrid splits ran 1.8x slower than gpu_stream at 2K tokens/step (the cause not isolated yet: the copies' use of
+host memory slowing the CPU share, or the host thread that launches the GPU's work competing with the backend's
+pool, are candidates). So for each power of two of the tokens, each layer's window ends (fewest CPU experts that fit
+the GPU, and most) and then the cost model's splits are tried for ``TRIAL_STEPS`` training steps each, the first of
+each not counted, and the fastest is kept for those tokens, said in one line. A step is timed from one forward of
+the first auto layer to the next (CUDA events on the compute stream: nothing synchronises); the least counted step
+decides, not the median, since an evaluation or an accumulation's optimizer step can lengthen one. An end predicted
+``PRUNE`` times slower than the model's splits is not tried: the exploration costs a few steps, never a slow run.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ from .hybrid import cpu_share, gpu_share
 from .peft_expert_lora import expert_lora_of
 
 HYSTERESIS = 0.02  # a new split must be predicted this much faster than the layer's last one
+TRIAL_STEPS = 3  # training steps per candidate while the tokens' choice is tried, the first not counted
+PRUNE = 3.0  # a candidate predicted this many times slower than the cost model's splits is not tried
+MODEL, FEWEST, MOST = "the cost model's splits", "fewest CPU experts", "most CPU experts"
 STEP_BOUND = 2.0  # a factor moves at most this ratio per measurement
 REFERENCE_TOKENS = 4096  # where the window of experts held twice is centred when host RAM cannot hold all twice
 PARTS = ("cpu", "copy", "compute")
@@ -102,6 +115,80 @@ class _Call:
         return all(e.query() for e in (*_events(self.compute), *(_events(self.copy[1]) if self.copy else ())))
 
 
+@dataclass
+class _Step:
+    """One training step under a candidate: timed from its first auto forward to the next step's."""
+
+    bucket: int
+    policy: str
+    start: object  # a CUDA event, or perf_counter seconds
+    counted: bool
+    end: object = None
+
+
+class StepTrials:
+    """Per power of two of the tokens: the candidates still to try, the measured steps, and the one kept."""
+
+    def __init__(self):
+        self.kept: dict[int, str] = {}
+        self.queue: dict[int, list[str]] = {}  # bucket -> candidates not yet tried enough, the current first
+        self.seconds: dict[int, dict[str, list[float]]] = {}
+        self.started: dict[tuple[int, str], int] = {}  # (bucket, policy) -> steps started
+        self.steps: list[_Step] = []  # steps whose time is not read yet
+        self.told: list[tuple[int, str]] = []  # (tokens, line) to say
+        self.tokens_of: dict[int, int] = {}  # bucket -> the tokens of its last training step
+
+    def settled(self, tokens: int) -> bool:
+        """Whether the training steps of ``tokens`` have kept their candidate."""
+        return bucket(tokens) in self.kept
+
+    def step(self, tokens: int, now, candidates) -> str:
+        """A training step of ``tokens`` starts at ``now`` (a recorded CUDA event, or seconds): it ends the last
+        one, counts the steps whose time is known, keeps the fastest candidate of a bucket whose candidates all
+        have their steps measured, and returns this step's policy (``candidates()``: a new bucket's, pruned)."""
+        if self.steps and self.steps[-1].end is None:
+            self.steps[-1].end = now
+        self._count()
+        b = bucket(tokens)
+        self.tokens_of[b] = tokens
+        if b not in self.kept and b not in self.queue:
+            self.queue[b] = candidates()
+            if len(self.queue[b]) < 2:
+                self.kept[b] = self.queue.pop(b)[0]
+        if b in self.kept:
+            return self.kept[b]
+        queue = self.queue[b]
+        policy = queue[0]
+        n = self.started.get((b, policy), 0)
+        self.started[b, policy] = n + 1
+        self.steps.append(_Step(b, policy, now, counted=n > 0))
+        if n + 1 >= TRIAL_STEPS and len(queue) > 1:
+            queue.pop(0)  # its steps are started; the next step tries the next candidate
+        return policy
+
+    def _count(self) -> None:
+        pending = []
+        for step in self.steps:
+            if step.end is None or not _complete(step.start, step.end):
+                pending.append(step)
+            elif step.counted and step.bucket in self.queue:
+                seconds = (_seconds((step.start, step.end)) if isinstance(step.start, torch.cuda.Event)
+                           else step.end - step.start)
+                self.seconds.setdefault(step.bucket, {}).setdefault(step.policy, []).append(seconds)
+        self.steps = pending
+        for b, queue in list(self.queue.items()):
+            measured = self.seconds.get(b, {})
+            if len(queue) == 1 and len(measured.get(queue[0], ())) >= TRIAL_STEPS - 1:
+                self.kept[b] = best = min(measured, key=lambda p: min(measured[p]))
+                del self.queue[b]
+                self.told.append((self.tokens_of[b], ", ".join(
+                    f"{p} {min(v):.3f} s" for p, v in measured.items()) + f": keeps {best}"))
+
+
+def _complete(start, end) -> bool:
+    return not isinstance(start, torch.cuda.Event) or (start.query() and end.query())
+
+
 class AutoLayer:
     """One auto layer: its window of CPU-expert counts, its learnt factors, its last split."""
 
@@ -136,6 +223,9 @@ class AutoPlacement:
         self._times: dict[int, LayerTimes] = {}
         self._floors: dict[tuple, int] = {}
         self._changes: list[tuple] = []
+        self.trials = StepTrials()
+        self.policy = MODEL  # of the current call
+        self.clock = time.perf_counter  # a model on the CPU times its steps on the host
 
     def attach(self, stream) -> None:
         self.stream = stream
@@ -180,8 +270,13 @@ class AutoPlacement:
             return int(min(state.hi, max(state.lo, self.forced)))
         if not self.rates.has_gpu:  # nothing to stream to
             return state.hi
-        times = self.times(state, tokens)
+        return self._split(state, tokens, self.policy)
+
+    def _split(self, state: AutoLayer, tokens: int, policy: str) -> int:
         lo = self.gpu_floor(tokens, state.lo, state.hi)
+        if policy != MODEL:
+            return lo if policy == FEWEST else state.hi
+        times = self.times(state, tokens)
         n, best = times.best_split(state.experts, lo, state.hi)
         last = state.n
         if last is not None and lo <= last != n and times.at(last / state.experts) <= best * (1 + HYSTERESIS):
@@ -195,8 +290,39 @@ class AutoPlacement:
             self._floors[key] = fewest_cpu_experts(self.shape, replace(self.setting, tokens=tokens), self.rates, lo, hi)
         return self._floors[key]
 
-    def decide(self, state: AutoLayer, tokens: int) -> int:
+    def settled(self, tokens: int) -> bool:
+        """Whether training steps of ``tokens`` take a kept policy (nothing to try: forced, or no GPU)."""
+        return self.forced is not None or not self.rates.has_gpu or self.trials.settled(tokens)
+
+    def candidates(self, tokens: int) -> list[str]:
+        """The policies to try at ``tokens``: each window end that gives other splits than the cost model's and is
+        predicted less than ``PRUNE`` times their time, then the cost model's splits."""
+        layers = list(self.layers.values())
+        splits = {p: tuple(self._split(s, tokens, p) for s in layers) for p in (MODEL, FEWEST, MOST)}
+        seconds = {p: sum(self.times(s, tokens).at(n / s.experts) for s, n in zip(layers, splits[p]))
+                   for p in splits}
+        ends = []
+        for policy in (FEWEST, MOST):
+            if splits[policy] not in {splits[c] for c in (MODEL, *ends)} and seconds[policy] < PRUNE * seconds[MODEL]:
+                ends.append(policy)
+        return [*ends, MODEL]  # the model's last: by then its factors have learnt from the ends' calls
+
+    def _step_policy(self, tokens: int, cuda: bool) -> str:
+        """The policy of a call of the first auto layer: a training step's is tried or kept (and the step timed),
+        another call (evaluation, generation, a reference model's forward) takes the kept one."""
+        if not torch.is_grad_enabled():
+            return self.trials.kept.get(bucket(tokens), MODEL)
+        if cuda:
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
+        else:
+            now = self.clock()
+        return self.trials.step(tokens, now, lambda: self.candidates(tokens))
+
+    def decide(self, state: AutoLayer, tokens: int, cuda: bool = False) -> int:
         self._learn(state)
+        if state.index == min(self.layers) and self.forced is None and self.rates.has_gpu:
+            self.policy = self._step_policy(tokens, cuda)
         self.tokens = tokens
         n = self.split(state, tokens)
         state.n, state.tokens = n, tokens
@@ -248,6 +374,7 @@ class AutoPlacement:
         from ..plugins.threads import is_main_rank
 
         changes, self._changes = self._changes, []
+        told, self.trials.told = self.trials.told, []
         runs = []
         for state, tokens, n in changes:
             if runs and runs[-1][2:] == [tokens, n] and runs[-1][1].index == state.index - 1:
@@ -256,6 +383,8 @@ class AutoPlacement:
                 runs.append([state, state, tokens, n])
         if not is_main_rank():
             return
+        for tokens, line in told:
+            print(f"ktcore: auto placement, {tokens} tokens, measured steps: {line}", file=sys.stderr)
         for first, last, tokens, n in runs:
             experts, times = first.experts, self.times(first, tokens)
             others = ", ".join(f"{choice_name(m, experts)} {times.at(m / experts) * 1e3:.1f}"
@@ -345,7 +474,7 @@ def auto_forward(module, auto: AutoPlacement, state: AutoLayer, hidden_states, t
     recomputed), the CPU's share submitted first and the stream's share enqueued beside it."""
     tokens = hidden_states.shape[0]
     recompute = replay.recomputing() and state.n is not None
-    n = state.n if recompute else auto.decide(state, tokens)
+    n = state.n if recompute else auto.decide(state, tokens, hidden_states.is_cuda)
     lora = expert_lora_of(module)
     experts = module.num_experts
     y_cpu = None
