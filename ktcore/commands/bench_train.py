@@ -501,6 +501,8 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                 copied = stream.copied_bytes if stream else 0
                 copied_resident, refreshes = (sum(r.copied_bytes for r in resident), sum(r.refreshes for r in resident))
                 auto = base.ktcore.auto
+                if auto:
+                    auto.try_again()  # expert LoRA on or off changes the step: each run keeps its own choice
                 with attach(base) as timeline:
                     timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True,
                                         settled=auto and (lambda: auto.settled(tokens)))

@@ -290,6 +290,10 @@ class AutoPlacement:
             self._floors[key] = fewest_cpu_experts(self.shape, replace(self.setting, tokens=tokens), self.rates, lo, hi)
         return self._floors[key]
 
+    def try_again(self) -> None:
+        """Forget the kept choices: the next training steps try the candidates again (the work changed)."""
+        self.trials = StepTrials()
+
     def settled(self, tokens: int) -> bool:
         """Whether training steps of ``tokens`` take a kept policy (nothing to try: forced, or no GPU)."""
         return self.forced is not None or not self.rates.has_gpu or self.trials.settled(tokens)
