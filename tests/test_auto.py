@@ -335,6 +335,7 @@ def test_training_steps_try_each_candidate_then_keep_one(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if "measured steps" in line]
     assert len(lines) == 1 and lines[0].startswith("ktcore: auto placement, 256 tokens, measured steps: ")
     assert lines[0].endswith(f": keeps {kept}") and all(p in lines[0] for p in (FEWEST, MOST, MODEL))
+    assert lines[0].endswith(auto.trials.verdict(256)) and auto.trials.verdict(64) is None
 
 
 def test_hybrid_without_a_share_is_rebalanced(tmp_path):

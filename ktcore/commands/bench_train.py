@@ -551,9 +551,12 @@ def computed_format(source_format: str, backends) -> str:
 
 
 def auto_choices(auto, tokens: int) -> str:
-    """What auto placement's layers took at the last call of ``tokens``, e.g. ``hybrid 4/64 x5``."""
+    """What auto placement's layers took at the last call of ``tokens``, e.g. ``hybrid 4/64 x5``, and what its
+    measured steps decided."""
     counts = Counter(auto.chosen.get(tokens, {}).values())
-    return ", ".join(f"{choice} x{count}" for choice, count in sorted(counts.items()))
+    verdict = auto.trials.verdict(tokens)
+    return (", ".join(f"{choice} x{count}" for choice, count in sorted(counts.items()))
+            + (f" (measured steps: {verdict})" if verdict else ""))
 
 
 def _loss_run(settings: Settings, base, common: dict) -> Iterator[dict]:

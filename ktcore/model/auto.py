@@ -135,12 +135,17 @@ class StepTrials:
         self.seconds: dict[int, dict[str, list[float]]] = {}
         self.started: dict[tuple[int, str], int] = {}  # (bucket, policy) -> steps started
         self.steps: list[_Step] = []  # steps whose time is not read yet
-        self.told: list[tuple[int, str]] = []  # (tokens, line) to say
+        self.verdicts: dict[int, str] = {}  # bucket -> what its candidates' steps measured, and the one kept
+        self.told: list[tuple[int, str]] = []  # (tokens, verdict) to say
         self.tokens_of: dict[int, int] = {}  # bucket -> the tokens of its last training step
 
     def settled(self, tokens: int) -> bool:
         """Whether the training steps of ``tokens`` have kept their candidate."""
         return bucket(tokens) in self.kept
+
+    def verdict(self, tokens: int) -> Optional[str]:
+        """What the candidates' steps at ``tokens`` measured and which was kept; None where nothing was tried."""
+        return self.verdicts.get(bucket(tokens))
 
     def step(self, tokens: int, now, candidates) -> str:
         """A training step of ``tokens`` starts at ``now`` (a recorded CUDA event, or seconds): it ends the last
@@ -181,8 +186,8 @@ class StepTrials:
             if len(queue) == 1 and len(measured.get(queue[0], ())) >= TRIAL_STEPS - 1:
                 self.kept[b] = best = min(measured, key=lambda p: min(measured[p]))
                 del self.queue[b]
-                self.told.append((self.tokens_of[b], ", ".join(
-                    f"{p} {min(v):.3f} s" for p, v in measured.items()) + f": keeps {best}"))
+                self.verdicts[b] = ", ".join(f"{p} {min(v):.3f} s" for p, v in measured.items()) + f": keeps {best}"
+                self.told.append((self.tokens_of[b], self.verdicts[b]))
 
 
 def _complete(start, end) -> bool:
