@@ -176,12 +176,16 @@ def rebuilt_in_backward(weights: tuple, rebuild: Callable[[int], torch.Tensor]):
     ``weights`` (gate_up, down), and backward gets it from ``rebuild(part)`` again, so a layer's device weights
     (with LoRA added) are not held from its forward to its backward. ``rebuild`` runs without grad; the LoRA factors
     have not changed since the forward (the optimizer steps after the backward)."""
+    # the hooks live as long as what they saved: they hold the weights' addresses, not the weights themselves
+    device = weights[0].device
     storages = [w.untyped_storage().data_ptr() for w in weights]
+    offsets = [w.storage_offset() for w in weights]
+    del weights
 
     def pack(t):
-        if t.device == weights[0].device and t.untyped_storage().data_ptr() in storages:
+        if t.device == device and t.untyped_storage().data_ptr() in storages:
             which = storages.index(t.untyped_storage().data_ptr())
-            return _Refetch(which, tuple(t.size()), t.stride(), t.storage_offset() - weights[which].storage_offset())
+            return _Refetch(which, tuple(t.size()), t.stride(), t.storage_offset() - offsets[which])
         return t
 
     def unpack(saved):
