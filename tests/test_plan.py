@@ -50,15 +50,24 @@ def test_deepseek_v3_shape(shapes):
                                                                                             2048)
 
 
-# (shape, tokens, placement, measured tok/s, peak GPU GiB, peak host GiB), RESULTS.md 2026-12-04, amx_bf16, r=8
+# (shape, tokens, placement, measured tok/s, peak GPU GiB, peak host GiB), amx_bf16, r=8, RESULTS.md: the
+# 2026-12-05 lease unless marked; None where no run of today's code measured it (see below)
 MEASURED = [
-    ("dsv2lite27", 2048, "cpu", 532, 11.6, 34.2),
-    ("dsv2lite27", 8192, "cpu", 608, 32.3, 49.8),
-    ("dsv2lite6", 2048, "cpu", 2704, 5.1, 8.5),
-    ("dsv2lite6", 8192, "cpu", 3232, 15.4, 12.5),
-    ("qwen3_24", 2048, "cpu", 725, 11.8, 33.7),
-    ("qwen3_24", 8192, "cpu", 866, 35.3, 44.9),
-    ("dsv2lite6", 2048, "gpu", 31617, 16.6, None),  # transformers + PEFT, whole model on the GPU
+    ("dsv2lite27", 2048, "cpu", 538, 10.25, 35.9),
+    ("dsv2lite27", 8192, "cpu", 670, 23.4, None),  # 2026-12-04, second session (the loss already chunked)
+    ("dsv2lite6", 2048, "cpu", 2709, 3.29, 8.45),
+    ("dsv2lite6", 8192, "cpu", 3678, 7.10, 12.25),
+    # tok/s: the model 0.65x of it (the CPU's one fitted rate is low at 32K tokens' many rows per expert)
+    ("dsv2lite6", 32768, "cpu", None, 22.81, 26.92),
+    # 2026-12-04: GPU memory before the chunked loss (35.3 GiB at 8K, of it 11.6 GiB of logits)
+    ("qwen3_24", 2048, "cpu", 725, None, 33.7),
+    ("qwen3_24", 8192, "cpu", 866, None, 44.9),
+    # GPU memory measured before the LoRA-added copies stopped living until backward; host RAM: the model
+    # 24-31% low for gpu_stream (RESULTS.md)
+    ("dsv2lite6", 2048, "gpu_stream", 13670, None, None),
+    ("dsv2lite6", 8192, "gpu_stream", 36497, None, None),
+    ("dsv2lite6", 32768, "gpu_stream", 40388, None, None),
+    ("dsv2lite6", 2048, "gpu", 31617, 16.6, None),  # transformers + PEFT, whole model on the GPU (2026-12-04)
     ("dsv2lite6", 8192, "gpu", 53508, 30.2, None),
     ("dsv2lite27", 8192, "gpu", 12572, 109.5, None),
 ]
@@ -67,10 +76,18 @@ MEASURED = [
 @pytest.mark.parametrize("shape,tokens,placement,tok_s,gpu,host", MEASURED)
 def test_predictions_match_the_h200_runs(shapes, shape, tokens, placement, tok_s, gpu, host):
     cost = predict(shapes[shape], Setting(tokens=tokens), load_rates(H200), placement)
-    assert cost.tokens_per_s == pytest.approx(tok_s, rel=0.3)  # worst measured 18% (Qwen3 at 2K)
-    assert cost.gpu_gib == pytest.approx(gpu, rel=0.2)  # worst measured 10% (6 layers at 2K)
+    if tok_s is not None:
+        assert cost.tokens_per_s == pytest.approx(tok_s, rel=0.3)  # worst 29% (gpu_stream at 2K)
+    if gpu is not None:
+        assert cost.gpu_gib == pytest.approx(gpu, rel=0.2)  # worst 17% (27 layers at 8K)
     if host is not None:  # the GPU baseline's host memory is the process, not the model
-        assert cost.host_gib == pytest.approx(host, rel=0.2)  # worst measured 3%
+        assert cost.host_gib == pytest.approx(host, rel=0.2)  # worst 6%
+
+
+def test_checkpointed_peak_matches_the_h200_run(shapes):
+    """27 layers at 2K with whole decoder layers checkpointed (2026-12-05): 5.40 GiB at the peak."""
+    cost = predict(shapes["dsv2lite27"], Setting(tokens=2048, gradient_checkpointing=True), load_rates(H200), "cpu")
+    assert cost.gpu_gib == pytest.approx(5.40, rel=0.2)  # measured 1%
 
 
 SLOW_CPU = Rates(cpu_expert_gflops=10, dram_gbps=10, cpu_cores=2, h2d_gbps=50, gpu_tflops=500)
@@ -138,8 +155,8 @@ def test_resident_experts_row(shapes):
     cpu, resident = got["cpu"], got["cpu_resident"]
     assert resident.cpu_share == pytest.approx(1 - 16 / 128) and resident.step_s < cpu.step_s
     experts_gib = (shape.moe_layers + 1) * 16 * shape.expert_params * 2 / 2**30
-    slots_gib = 16 / 128 * 2048 * shape.top_k * shape.moe_layers * (shape.hidden + 3 * shape.expert_intermediate) \
-        * 2 / 2**30
+    slots_gib = 16 / 128 * 2048 * shape.top_k * shape.moe_layers \
+        * (2 * shape.hidden + 4 * shape.expert_intermediate) * 2 / 2**30
     assert resident.gpu_gib == pytest.approx(cpu.gpu_gib + experts_gib + slots_gib)
     copy_gib = shape.routed_params * 2 / 2**30
     # the copy, less the activations the CPU no longer keeps for the GPU's slots
