@@ -60,6 +60,10 @@ class KTConfig:
                                     ("cpu", "gpu_stream", "hybrid", "auto"), default="cpu")
     kt_stream_ring: int = _key("gpu_stream: layers of streamed experts kept on the GPU at once (>= the MoE layers: "
                                "backward streams nothing again)", default=2)
+    kt_stream_activation: str = _key("gpu_stream, and the GPU share of hybrid and auto layers: keep the streamed "
+                                     "experts' per-token-slot activations for backward, or recompute their "
+                                     "forward in backward (a grouped forward more per layer, the activations of "
+                                     "one layer at a time)", ("retain", "recompute"), default="retain")
     kt_hybrid_cpu_share: Optional[float] = _key("hybrid: share of each layer's experts the CPU backend computes "
                                                 "(unset: chosen from the rates and re-balanced from measured times)")
     kt_num_gpu_experts: int = _key("cpu placement: per MoE layer, how many of its most used experts stay resident "
@@ -82,7 +86,8 @@ class KTConfig:
 # Keys of KTConfig that live under `kt_config:` in the YAML; the other kt_* keys are top level.
 KT_SECTION_KEYS = ("kt_backend", "kt_expert_weight_format", "kt_num_threads", "kt_tp_enabled",
                    "kt_threadpool_count", "kt_max_cache_depth", "kt_weight_lifecycle", "kt_placement",
-                   "kt_expert_placement", "kt_stream_ring", "kt_hybrid_cpu_share", "kt_num_gpu_experts",
+                   "kt_expert_placement", "kt_stream_ring", "kt_stream_activation", "kt_hybrid_cpu_share",
+                   "kt_num_gpu_experts",
                    "kt_gpu_experts_interval", "kt_rates",
                    "kt_expert_lora_device")
 KT_TOP_KEYS = ("kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path")

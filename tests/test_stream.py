@@ -14,6 +14,7 @@ from test_equivalence import (assert_as_close_as_plain_bf16, assert_same_trainin
 
 import ktcore
 from ktcore.errors import ConfigError
+from ktcore.model.checkpointing import checkpoint_non_experts
 from ktcore.model.placeholder import is_placeholder
 from ktcore.testing import relative_error
 
@@ -88,6 +89,52 @@ def test_gpu_stream_matches_cpu_placement(qwen3_pair):
     streamed(ours, ring=1)
     a, b = peft_pair(on_cpu, ours)
     assert_same_training_signal(a, b, *batch(5))
+
+
+@pytest.mark.parametrize("placement", ["gpu_stream", "hybrid", "checkpointed"])
+def test_recomputed_stream_matches_cpu_placement(qwen3_pair, placement):
+    """kt_stream_activation: recompute, streamed and hybrid (ring 1), and inside checkpointed decoder layers: the
+    same training signal as the cpu placement; backward fetches each layer again for its recomputation."""
+    plain, ours = qwen3_pair
+    on_cpu = ktcore.wrap_model(copy.deepcopy(plain), {"kt_backend": "torch"})
+    place = hybrid if placement == "hybrid" else streamed
+    place(ours, ring=1, kt_stream_activation="recompute")
+    stream = ours.ktcore.stream
+    assert stream.recompute
+    calls = []
+    fetch = stream.fetch
+    stream.fetch = lambda index, direction, *first: calls.append(direction) or fetch(index, direction, *first)
+    if placement == "checkpointed":
+        for model in (on_cpu, ours):
+            checkpoint_non_experts(model)
+            model.train()
+    a, b = peft_pair(on_cpu, ours)
+    assert_same_training_signal(a, b, *batch(5))
+    assert calls.count(+1) == calls.count(-1) > 0  # each forward's layer fetched once more in its backward
+
+
+def test_recomputed_stream_keeps_no_token_slot_activations(qwen3_pair):
+    """Between forward and backward, a recomputing streamed model holds less than a retaining one by about the
+    grouped kernel's per-token-slot activations ((2 H + 4 I) values a slot, the cost model's figure)."""
+    from ktcore.model.memory import LiveTensors
+
+    plain, _ = qwen3_pair
+    ids, mask = batch(7)
+    held = {}
+    for activation in ("retain", "recompute"):
+        model = streamed(copy.deepcopy(plain), ring=1, kt_stream_activation=activation)
+        _, model = peft_pair(copy.deepcopy(plain), model)
+        meter = LiveTensors()
+        with meter.tracking():
+            meter.count(list(model.parameters()))
+            before = meter.current()
+            loss = model(ids, attention_mask=mask, labels=ids).loss
+            held[activation] = meter.current() - before
+            loss.backward()
+    config = plain.config
+    slots = ids.numel() * config.num_experts_per_tok * 2  # 2 MoE layers
+    per_slot = (2 * config.hidden_size + 4 * config.moe_intermediate_size) * 4  # fp32 here
+    assert held["retain"] - held["recompute"] >= 0.8 * slots * per_slot, held  # measured 1.03x it
 
 
 def test_placement_rule_streams_one_layer():

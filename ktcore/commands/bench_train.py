@@ -405,6 +405,7 @@ class Settings:
     placements: tuple = ("cpu",)  # kt_expert_placement of each ktcore run, side by side
     expert_lora_devices: tuple = ("model",)  # kt_expert_lora_device of each ktcore run, side by side
     stream_ring: int = 2  # kt_stream_ring of the gpu_stream and hybrid runs
+    stream_activation: str = "retain"  # kt_stream_activation of the gpu_stream, hybrid and auto runs
     hybrid_cpu_share: Optional[float] = 0.5  # kt_hybrid_cpu_share of the hybrid runs (None: re-balanced)
     num_gpu_experts: tuple = (0,)  # kt_num_gpu_experts of each cpu run, side by side
     rates: Optional[str] = None  # kt_rates of the auto and re-balanced hybrid runs (None: measured at load)
@@ -456,6 +457,7 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
     device = settings.device
     kt = {"kt_backend": backend or settings.backend, "kt_num_threads": settings.threads,
           "kt_expert_placement": placement, "kt_stream_ring": settings.stream_ring,
+          "kt_stream_activation": settings.stream_activation,
           "kt_hybrid_cpu_share": settings.hybrid_cpu_share, "kt_rates": settings.rates,
           "kt_expert_lora_device": lora_device, "kt_num_gpu_experts": gpu_experts}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)

@@ -461,6 +461,8 @@ def _share(text: str) -> float:
               help="kt_rates of the auto and re-balanced hybrid runs (default: measured at load)")
 @click.option("--stream-ring", default=2, show_default=True, type=click.IntRange(min=1),
               help="kt_stream_ring of the gpu_stream runs")
+@click.option("--stream-activation", default="retain", show_default=True, type=click.Choice(["retain", "recompute"]),
+              help="kt_stream_activation of the gpu_stream, hybrid and auto runs")
 @click.option("--num-gpu-experts", "num_gpu_experts", default="0", show_default=True,
               help="comma list of kt_num_gpu_experts values (experts per MoE layer resident on the GPU), each cpu "
                    "run side by side (e.g. 0,8,16)")
@@ -469,7 +471,8 @@ def _share(text: str) -> float:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
                 expert_lora_off, baseline, kernel_seconds, expert_formats, loss_steps, model_dir, workdir, keep, on_cpu,
-                placements, stream_ring, num_gpu_experts, hybrid_cpu_share, rates_path, lora_devices, as_json):
+                placements, stream_ring, stream_activation, num_gpu_experts, hybrid_cpu_share, rates_path,
+                lora_devices, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
@@ -492,6 +495,7 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
                         expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds,
                         expert_formats=tuple(f for f in EXPERT_FORMATS if f in formats), loss_steps=loss_steps,
                         placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring,
+                        stream_activation=stream_activation,
                         hybrid_cpu_share=share, rates=rates_path,
                         expert_lora_devices=tuple(d.strip() for d in lora_devices.split(",")))
     try:

@@ -55,7 +55,7 @@ def run(cfg, rates: Rates, tokens: list[int], gpu_mem: Optional[float] = None, h
     for t in tokens:
         setting = Setting(tokens=t, lora_rank=cfg.lora_rank, weight_format=fmt,
                           recompute=kt.kt_cpu_activation == "recompute", cache_depth=kt.kt_max_cache_depth,
-                          ring=kt.kt_stream_ring,
+                          ring=kt.kt_stream_ring, stream_recompute=kt.kt_stream_activation == "recompute",
                           gradient_checkpointing=cfg.gradient_checkpointing,
                           gpu_experts=kt.kt_num_gpu_experts, gpu_experts_interval=kt.kt_gpu_experts_interval,
                           # the torch backend's packed experts are HF's layout: the resident ones come from them

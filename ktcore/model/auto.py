@@ -432,7 +432,8 @@ def make_auto(model, kt, backend, device) -> "AutoPlacement":
 
     fmt = kt.kt_expert_weight_format if kt.kt_expert_weight_format in FORMAT_BYTES else "bf16"
     setting = Setting(tokens=REFERENCE_TOKENS, weight_format=fmt, recompute=kt.kt_cpu_activation == "recompute",
-                      cache_depth=kt.kt_max_cache_depth, ring=kt.kt_stream_ring)
+                      cache_depth=kt.kt_max_cache_depth, ring=kt.kt_stream_ring,
+                      stream_recompute=kt.kt_stream_activation == "recompute")
     return AutoPlacement(model_shape(model.config), setting, rates_for(kt, backend, device))
 
 

@@ -112,6 +112,7 @@ class Setting:
     recompute: bool = False  # kt_cpu_activation: recompute
     cache_depth: int = 64  # kt_max_cache_depth
     ring: int = 2  # gpu_stream: layers of experts the GPU ring holds
+    stream_recompute: bool = False  # kt_stream_activation: recompute (the GPU's experts forward again in backward)
     gradient_checkpointing: bool = False
     gpu_experts: int = 0  # kt_num_gpu_experts: experts per layer resident on the GPU beside the cpu placement
     gpu_experts_interval: int = 8  # kt_gpu_experts_interval: forward calls between two choices of them
@@ -151,7 +152,8 @@ def stream_layer(shape: ModelShape, s: Setting, rates: Rates) -> tuple[float, fl
     """(copy seconds, GPU compute seconds, bytes) of one layer's routed experts streamed: the whole layer is
     copied in forward and again in backward (unless the ring holds every MoE layer)."""
     nbytes = shape.experts * shape.expert_params * GPU_WEIGHT_BYTES * (1 if s.ring >= shape.moe_layers else 2)
-    return nbytes / (rates.h2d_gbps * 1e9), expert_flops(shape, s.tokens) / (rates.gpu_tflops * 1e12), nbytes
+    flops = expert_flops(shape, s.tokens, recompute=s.stream_recompute)
+    return nbytes / (rates.h2d_gbps * 1e9), flops / (rates.gpu_tflops * 1e12), nbytes
 
 
 @dataclass(frozen=True)
@@ -204,11 +206,12 @@ def hybrid_share(cpu_s: float, copy_s: float, compute_s: float, dense_layer_s: f
 
 
 def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_slot_share: float,
-                held_once: float = 0.0, chunked_loss: bool = True) -> float:
+                held_once: float = 0.0, chunked_loss: bool = True, streamed: bool = False) -> float:
     """Peak GPU bytes: weights, LoRA state, activations, and the routed experts' own when the GPU computes them
     (``resident_experts`` count twice: PEFT's ``W + scaling * B @ A`` is a second copy, kept for backward;
     ``held_once`` experts once: streamed rings and kt_num_gpu_experts' buffers, whose LoRA-added copy is rebuilt in
-    backward). ``chunked_loss``: ktcore's LM loss (a run of ktcore), else transformers' full logits."""
+    backward). ``chunked_loss``: ktcore's LM loss (a run of ktcore), else transformers' full logits; ``streamed``:
+    the GPU's token-slots are streamed experts' (``kt_stream_activation`` applies)."""
     weights = (shape.non_expert_params + (2 * resident_experts + held_once) * shape.expert_params) * GPU_WEIGHT_BYTES
     lora = shape.lora_params_per_rank * s.lora_rank * LORA_STATE_BYTES
     per_layer = shape.hidden * (CHECKPOINTED_BYTES_PER_HIDDEN if s.gradient_checkpointing
@@ -216,7 +219,9 @@ def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_s
     logits = CHUNKED_LOSS_GIB * GIB if chunked_loss else s.tokens * shape.vocab * LOGIT_BYTES
     acts = s.tokens * shape.layers * per_layer + logits
     # grouped experts keep per token-slot their permuted input, gate/up output, activation and output for backward
-    routed = routed_slot_share * s.tokens * shape.top_k * shape.moe_layers \
+    # (every layer's until its backward; streamed ones recomputing, only the layer's being differentiated)
+    layers = 1 if streamed and s.stream_recompute else shape.moe_layers
+    routed = routed_slot_share * s.tokens * shape.top_k * layers \
         * (2 * shape.hidden + 4 * shape.expert_intermediate) * ROUTED_SLOT_BYTES
     return weights + lora + acts + routed + GPU_FIXED_GIB * GIB
 
@@ -239,8 +244,9 @@ def _host_memory(shape: ModelShape, s: Setting, cpu_share: float, packed_share: 
 
 
 def _cost(placement, shape, s, rates, step_s, expert_s, cpu_share, resident, gpu_slot_share, copy_bytes,
-          packed_share=None, pinned_share=None, choice="", held_once=0.0):
-    gpu = _gpu_memory(shape, s, resident, gpu_slot_share, held_once, chunked_loss=placement != "gpu") / GIB
+          packed_share=None, pinned_share=None, choice="", held_once=0.0, streamed=False):
+    gpu = _gpu_memory(shape, s, resident, gpu_slot_share, held_once, chunked_loss=placement != "gpu",
+                      streamed=streamed) / GIB
     host = _host_memory(shape, s, cpu_share, packed_share, pinned_share) / GIB
     why = []
     if rates.gpu_mem_gib is not None and gpu > rates.gpu_mem_gib:
@@ -257,7 +263,8 @@ def _split(shape, s, rates, placement, share: float, times: LayerTimes, **kwargs
     _, _, stream_bytes = stream_layer(shape, s, rates)
     return _cost(placement, shape, s, rates, (shape.layers - layers) * times.dense_s + layers * times.at(share),
                  layers * (times.at(share) - times.dense_s), share, 0, 1 - share,
-                 layers * (1 - share) * stream_bytes, held_once=(1 - share) * streamed_copies(shape, s), **kwargs)
+                 layers * (1 - share) * stream_bytes, held_once=(1 - share) * streamed_copies(shape, s),
+                 streamed=True, **kwargs)
 
 
 def streamed_copies(shape: ModelShape, s: Setting) -> float:
@@ -274,7 +281,7 @@ def fewest_cpu_experts(shape: ModelShape, s: Setting, rates: Rates, lo: int, hi:
     copies = streamed_copies(shape, s)
     for n in range(lo, hi + 1):
         share = n / shape.experts
-        if _gpu_memory(shape, s, 0, 1 - share, (1 - share) * copies) / GIB <= rates.gpu_mem_gib:
+        if _gpu_memory(shape, s, 0, 1 - share, (1 - share) * copies, streamed=True) / GIB <= rates.gpu_mem_gib:
             return n
     return hi
 

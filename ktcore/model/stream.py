@@ -38,11 +38,12 @@ class _Slot:
 class ExpertStream:
     """Host copies of every streamed layer, and the ring of device copies."""
 
-    def __init__(self, device, ring: int):
+    def __init__(self, device, ring: int, recompute: bool = False):
         if ring < 1:
             raise ValueError(f"kt_config.kt_stream_ring must be >= 1, got {ring}")
         self.device = torch.device(device)
         self.ring = ring
+        self.recompute = recompute  # kt_stream_activation: recompute
         self.host: list[tuple[torch.Tensor, torch.Tensor]] = []  # per streamed layer, in model order
         self.base: list[int] = []  # per streamed layer: the layer's expert that host[index] starts with
         self.slots: OrderedDict = OrderedDict()  # layer index -> _Slot
@@ -156,6 +157,9 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
     factors = (None, None) if lora is None else (
         None if lora.gate_up_a is None else (lora.gate_up_b[part], lora.gate_up_a[part], lora.gate_up_scale),
         None if lora.down_a is None else (lora.down_b[part], lora.down_a[part], lora.down_scale))
+    if stream.recompute and torch.is_grad_enabled():
+        return _recomputed(module, stream, index, first, factors, hidden_states, top_k_index, top_k_weights,
+                           on_fetched)
     base = stream.fetch(index, +1, first)
     if on_fetched is not None:
         on_fetched()
@@ -169,6 +173,29 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
 
     with rebuilt_in_backward(weights, refetch):
         return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)
+
+
+def _recomputed(module, stream: ExpertStream, index: int, first: int, factors, hidden_states, top_k_index,
+                top_k_weights, on_fetched):
+    """kt_stream_activation: recompute. The layer's fetch, LoRA and grouped kernel under ``torch.utils.checkpoint``:
+    autograd keeps only the call's inputs, and backward fetches the layer again (the one before it prefetched, as
+    backward goes) and runs its forward once more to differentiate it."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
+    calls = []
+
+    def run(hidden, ids, routing):
+        again = bool(calls)
+        calls.append(again)
+        base = stream.fetch(index, -1 if again else +1, first)
+        if on_fetched is not None and not again:
+            on_fetched()
+        weights = tuple(_with_lora(w.to(hidden.dtype), f) for w, f in zip(base, factors))
+        return experts(_WeightsOf(module, *weights), hidden, ids, routing)
+
+    return checkpoint(run, hidden_states, top_k_index, top_k_weights, use_reentrant=False)
 
 
 def rebuilt_in_backward(weights: tuple, rebuild: Callable[[int], torch.Tensor]):

@@ -294,7 +294,7 @@ def _build_stream(model, kt, arch) -> Optional[ExpertStream]:
     streamed = [m for _, _, m in expert_modules(model, arch) if "_ktcore_host_experts" in m.__dict__]
     if not streamed:
         return None
-    stream = ExpertStream(model.device, kt.kt_stream_ring)
+    stream = ExpertStream(model.device, kt.kt_stream_ring, recompute=kt.kt_stream_activation == "recompute")
     for module in streamed:
         module.__dict__["_ktcore_stream"] = (stream, stream.add(*module.__dict__.pop("_ktcore_host_experts")))
     return stream
