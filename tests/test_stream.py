@@ -218,18 +218,21 @@ def test_stream_ring_must_hold_a_layer(qwen3_pair):
 @pytest.mark.parametrize("ring", [1, 3])
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
 @pytest.mark.parametrize("placement", ["gpu_stream", "hybrid"])
-def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring, placement):
+@pytest.mark.parametrize("activation", ["retain", "recompute"])
+def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring, placement, activation):
     """Experts pinned in host memory, copied on the side stream with the next layer prefetched, computed by
     transformers' grouped kernel on CUDA in bf16 (hybrid: half of them, the CPU backend the other half at the
-    same time): as close to the fp32 truth as plain transformers in bf16
-    (loss and every LoRA gradient), and the bytes copied are the layers' (and again in backward with ring 1)."""
+    same time; recompute: the grouped forward again in backward): as close to the fp32 truth as plain transformers
+    in bf16 (loss and every LoRA gradient), and the bytes copied are the layers' (and again in backward with ring
+    1)."""
     plain = tiny_model_of(family)
     plain.save_pretrained(tmp_path / "model")
     truth = copy.deepcopy(plain).to("cuda")
     plain_bf16 = copy.deepcopy(plain).to("cuda", torch.bfloat16)
     ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_expert_placement":
                                                                 placement, "kt_stream_ring": ring,
-                                                                "kt_hybrid_cpu_share": 0.5}},
+                                                                "kt_hybrid_cpu_share": 0.5,
+                                                                "kt_stream_activation": activation}},
                              device="cuda", dtype=torch.bfloat16, progress=False)
     stream = ours.ktcore.stream
     assert all(t.is_pinned() for layer in stream.host for t in layer)
