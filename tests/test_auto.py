@@ -210,7 +210,7 @@ def test_measured_steps_overrule_the_cost_model(dsv2lite):
     assert splits[:TRIAL_STEPS] == [0] * TRIAL_STEPS and all(0 < n < experts for n in splits[TRIAL_STEPS:-3])
     assert splits[-3:] == [0, 0, 0] and auto.trials.kept == {11: FEWEST}
     assert truth.at(0) < truth.at(splits[TRIAL_STEPS] / experts)
-    auto._log()
+    assert auto.trials.verdict(tokens).endswith(f": keeps {FEWEST}") and MODEL in auto.trials.verdict(tokens)
 
 
 def test_splits_that_do_not_fit_the_gpu_are_not_taken(dsv2lite):

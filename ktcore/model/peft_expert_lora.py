@@ -62,9 +62,9 @@ def _get_delta_factors(self, adapter_name):
     terms in fp32 in any case; fp32 factors cross PCIe at twice the bytes of bf16 ones: for DeepSeek-V2-Lite at
     r=8, 4.2 M elements a layer, 8.4 MB more each way, 0.15 ms at the 55 GB/s pinned host-to-device rate measured on
     the H200 machine (``examples/rates/h200.json``), about 8 ms for the 26 layers' forward and backward against a
-    step of over 3 s (0.3%). For that, the gradients reach the parameters unrounded (a bf16 gradient is off by up to 2^-9 of each
-    element), the forward uses the factors the optimizer holds, and the same adapter trains to the same numbers
-    with ``kt_expert_lora_device: model`` or ``host``, on a GPU or a CPU model."""
+    step of over 3 s (0.3%). For that, the gradients reach the parameters unrounded (a bf16 gradient is off by up
+    to 2^-9 of each element), the forward uses the factors the optimizer holds, and the same adapter trains to the
+    same numbers with ``kt_expert_lora_device: model`` or ``host``, on a GPU or a CPU model."""
     base = self.get_base_layer()
     if not host_lora.on_cpu_backend(base) or not is_placeholder(getattr(base, self.parameter_name, None)):
         return _peft_get_delta_factors(self, adapter_name)

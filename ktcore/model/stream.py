@@ -157,43 +157,41 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
     factors = (None, None) if lora is None else (
         None if lora.gate_up_a is None else (lora.gate_up_b[part], lora.gate_up_a[part], lora.gate_up_scale),
         None if lora.down_a is None else (lora.down_b[part], lora.down_a[part], lora.down_scale))
-    if stream.recompute and torch.is_grad_enabled():
-        return _recomputed(module, stream, index, first, factors, hidden_states, top_k_index, top_k_weights,
-                           on_fetched)
-    base = stream.fetch(index, +1, first)
-    if on_fetched is not None:
-        on_fetched()
-    weights = tuple(_with_lora(w.to(hidden_states.dtype), f) for w, f in zip(base, factors))
     experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
+
+    def weights(direction: int, dtype, timed: bool) -> tuple:
+        base = stream.fetch(index, direction, first)
+        if timed and on_fetched is not None:
+            on_fetched()
+        return tuple(_with_lora(w.to(dtype), f) for w, f in zip(base, factors))
+
+    if stream.recompute and torch.is_grad_enabled():
+        return _recomputed(module, experts, weights, hidden_states, top_k_index, top_k_weights)
+    forward = weights(+1, hidden_states.dtype, timed=True)
     if stream.ring >= len(stream.host):  # every layer stays on the device: nothing to stream again
-        return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)
+        return experts(_WeightsOf(module, *forward), hidden_states, top_k_index, top_k_weights)
 
     def refetch(part):
         return _with_lora(stream.fetch(index, -1, first)[part].to(hidden_states.dtype), factors[part])
 
-    with rebuilt_in_backward(weights, refetch):
-        return experts(_WeightsOf(module, *weights), hidden_states, top_k_index, top_k_weights)
+    with rebuilt_in_backward(forward, refetch):
+        return experts(_WeightsOf(module, *forward), hidden_states, top_k_index, top_k_weights)
 
 
-def _recomputed(module, stream: ExpertStream, index: int, first: int, factors, hidden_states, top_k_index,
-                top_k_weights, on_fetched):
-    """kt_stream_activation: recompute. The layer's fetch, LoRA and grouped kernel under ``torch.utils.checkpoint``:
-    autograd keeps only the call's inputs, and backward fetches the layer again (the one before it prefetched, as
-    backward goes) and runs its forward once more to differentiate it."""
+def _recomputed(module, experts, weights, hidden_states, top_k_index, top_k_weights):
+    """kt_stream_activation: recompute. The layer's fetch, LoRA and grouped kernel (``experts``, with
+    ``weights(direction, dtype, timed)``) under ``torch.utils.checkpoint``: autograd keeps only the call's inputs,
+    and backward fetches the layer again (the one before it prefetched, as backward goes) and runs its forward once
+    more to differentiate it."""
     from torch.utils.checkpoint import checkpoint
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
     calls = []
 
     def run(hidden, ids, routing):
         again = bool(calls)
         calls.append(again)
-        base = stream.fetch(index, -1 if again else +1, first)
-        if on_fetched is not None and not again:
-            on_fetched()
-        weights = tuple(_with_lora(w.to(hidden.dtype), f) for w, f in zip(base, factors))
-        return experts(_WeightsOf(module, *weights), hidden, ids, routing)
+        return experts(_WeightsOf(module, *weights(-1 if again else +1, hidden.dtype, timed=not again)), hidden,
+                       ids, routing)
 
     return checkpoint(run, hidden_states, top_k_index, top_k_weights, use_reentrant=False)
 
