@@ -395,7 +395,8 @@ def test_auto_on_cuda_bf16(tmp_path, family, placement, choice):
                                                                 "kt_stream_ring": 1}},
                              device="cuda", dtype=torch.bfloat16, progress=False)
     auto = ours.ktcore.auto
-    assert auto.rates.has_gpu and all(t.is_pinned() for layer in ours.ktcore.stream.host for t in layer)
+    assert auto.rates.has_gpu and all(t.is_pinned() for layer in ours.ktcore.stream.host for part in layer
+                                           for t in part)
     auto.force(choice)
     truth, plain_bf16 = peft_pair(truth, plain_bf16)
     torch.manual_seed(7)

@@ -10,7 +10,7 @@ import torch
 from archs import MOE_LAYERS, tiny_model
 from peft import get_peft_model
 from test_equivalence import (assert_as_close_as_plain_bf16, assert_same_training_signal, batch, lora_config,
-                              peft_pair, tiny_model_of)
+                              lora_grads, peft_pair, tiny_model_of)
 
 import ktcore
 from ktcore.errors import ConfigError
@@ -171,7 +171,7 @@ def test_hybrid_matches_transformers_and_peft(qwen3_pair, share):
     experts = ours.model.layers[0].mlp.experts
     n = round(share * experts.num_experts)
     assert len(ours.ktcore.layers) == 2 and len(ours.ktcore.stream.host) == 2
-    assert ours.ktcore.stream.host[0][0].shape[0] == experts.num_experts - n
+    assert ours.ktcore.stream.experts(0) == experts.num_experts - n
     a, b = peft_pair(plain, ours)
     ids, mask = batch(9)
     routed = a(ids, attention_mask=mask, output_router_logits=True).router_logits[0].topk(2, dim=-1).indices
@@ -235,14 +235,14 @@ def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring, placement, activation):
                                                                 "kt_stream_activation": activation}},
                              device="cuda", dtype=torch.bfloat16, progress=False)
     stream = ours.ktcore.stream
-    assert all(t.is_pinned() for layer in stream.host for t in layer)
+    assert all(t.is_pinned() for layer in stream.host for part in layer for t in part)
     truth, plain_bf16 = peft_pair(truth, plain_bf16)
     torch.manual_seed(7)
     ours = get_peft_model(ours, lora_config())
     ids, mask = (t.cuda() for t in batch(8))
     assert_as_close_as_plain_bf16(truth, plain_bf16, ours, ids, mask)
     # forward copies every layer once; backward again each layer the ring no longer holds (ring 1: the first)
-    sizes = [sum(t.numel() * t.element_size() for t in layer) for layer in stream.host]
+    sizes = [sum(t.numel() * t.element_size() for part in layer for t in part) for layer in stream.host]
     assert stream.copied_bytes == sum(sizes) + (sizes[0] if ring == 1 else 0)
 
 
@@ -257,3 +257,156 @@ def test_load_model_streams_from_the_checkpoint(tmp_path, placement):
                              device="cpu", progress=False)
     assert len(ours.ktcore.streamed) == 2 and len(ours.ktcore.layers) == (2 if placement == "hybrid" else 0)
     assert_same_training_signal(*peft_pair(plain, ours), *batch(11))
+
+
+# ---- int8 experts: the stream keeps and copies their codes ------------------------------------------------------
+
+
+def int8_usable_or_skip():
+    try:
+        ktcore.get_backend("amx_int8", {"kt_backend": "amx_int8", "kt_expert_weight_format": "int8"})
+    except Exception as exc:  # not installed, or neither AMX nor AVX-512 VNNI here
+        pytest.skip(f"amx_int8 is not usable here: {exc}")
+
+
+def with_int8_experts(model):
+    """A copy of ``model`` whose routed experts are what their int8 codes stand for (``int8-sym-channel-v1``: one
+    scale per output channel, so gate_up's rows quantise as gate's and up's do): the truth of an int8 stream."""
+    from ktcore.model.arch import expert_modules, find_arch
+    from ktcore.weights.int8 import dequantize, quantize
+
+    truth = copy.deepcopy(model)
+    with torch.no_grad():
+        for _, _, module in expert_modules(truth, find_arch(truth.config)):
+            for weight in (module.gate_up_proj, module.down_proj):
+                weight.copy_(dequantize(*quantize(weight), weight.dtype))
+    return truth
+
+
+@pytest.mark.parametrize("keys", [{"kt_backend": "amx_int8"}, {"kt_backend": "auto", "kt_expert_weight_format": "int8"}],
+                         ids=["backend-amx_int8", "format-int8"])
+def test_int8_experts_stream_their_codes(qwen3_pair, keys):
+    """With int8 experts the host keeps int8 codes and float32 scales (a quarter of fp32's bytes here, half of
+    bf16's), and the streamed model is transformers + PEFT on the weights those codes stand for, to fp32 rounding:
+    a stream that kept the original weights would be 1e-3 off in the logits, one that mixed up rows or scales far
+    more."""
+    int8_usable_or_skip()
+    plain, ours = qwen3_pair
+    streamed(ours, ring=1, **keys)
+    stream = ours.ktcore.stream
+    for layer in stream.host:
+        for codes, scales in layer:
+            assert codes.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == codes.shape[:-1]
+    experts = ours.model.layers[0].mlp.experts
+    held = sum(t.numel() * t.element_size() for layer in stream.host for part in layer for t in part)
+    dense = 2 * (experts.gate_up_proj.numel() + experts.down_proj.numel()) * 4
+    assert held < 0.3 * dense
+    truth = with_int8_experts(plain)
+    assert relative_error(truth(batch()[0]).logits, plain(batch()[0]).logits) > 1e-4  # int8 is not a no-op here
+    assert_same_training_signal(*peft_pair(truth, ours), *batch(12))
+
+
+def test_int8_hybrid_streams_the_codes_its_cpu_share_computes(qwen3_pair):
+    """A hybrid layer with int8 experts: amx_int8 packs experts ..n, the stream keeps exactly the int8 codes and
+    scales of experts n.. (the scheme the backend quantises with), and the layer trains as transformers on the int8
+    weights does, within amx_int8's own rounding of its activations (measured 1.0e-2 in the logits and 5.0e-2 in
+    the gradients; keeping the original weights in the stream measured 1.7e-2 / 6.2e-2, so the bounds catch what
+    the codes check cannot: scales applied to the wrong rows or experts)."""
+    from ktcore.weights.int8 import quantize
+
+    int8_usable_or_skip()
+    plain, ours = qwen3_pair
+    hybrid(ours, 0.5, kt_backend="amx_int8")
+    experts = plain.model.layers[0].mlp.experts
+    n = experts.num_experts // 2
+    (codes, scales), (down_codes, down_scales) = ours.ktcore.stream.host[0]
+    for (c, s), weight in (((codes, scales), experts.gate_up_proj), ((down_codes, down_scales), experts.down_proj)):
+        want_c, want_s = quantize(weight.detach()[n:])
+        assert torch.equal(c, want_c) and torch.equal(s, want_s)
+    truth, model = peft_pair(with_int8_experts(plain), ours)
+    ids, mask = batch(13)
+    ref, ref_grads = lora_grads(truth, ids, mask)
+    got, got_grads = lora_grads(model, ids, mask)
+    assert relative_error(got.logits, ref.logits) <= 5e-2
+    for name in ref_grads:
+        assert relative_error(got_grads[name], ref_grads[name]) <= 0.25, name
+
+
+def test_int8_store_streams_its_own_codes(tmp_path):
+    """kt_weight_path with an int8 store and gpu_stream: the stream holds the store's codes and scales bit for bit
+    (not dequantised and quantised again) and gives the model of those codes dequantised."""
+    from ktcore.model.arch import expert_modules, find_arch
+    from ktcore.weights.convert import convert_model
+    from ktcore.weights.store import model_fingerprint, open_store
+    from ktcore.weights.store_sources import Int8StoreExpertSource
+
+    int8_usable_or_skip()
+    plain = tiny_model_of("qwen3_moe")
+    plain.save_pretrained(tmp_path / "model")
+    convert_model(tmp_path / "model", tmp_path / "int8", "int8", 1, progress=False)
+    ours = ktcore.load_model(tmp_path / "model", {"kt_weight_path": str(tmp_path / "int8"), "kt_config": {
+        "kt_expert_placement": "gpu_stream", "kt_stream_ring": 1, "kt_expert_weight_format": "int8"}},
+        device="cpu", progress=False)
+    store = open_store(tmp_path / "int8", "experts", model_fingerprint(tmp_path / "model"), "kt_weight_path")
+    for (_, name, module), layer in zip(expert_modules(plain, find_arch(plain.config)), ours.ktcore.stream.host):
+        stored = Int8StoreExpertSource(store, name, find_arch(plain.config), module).read_int8()
+        (gate_up, gate_up_scales), (down, down_scales) = layer
+        assert torch.equal(gate_up, torch.cat([stored.gate[0], stored.up[0]], 1))
+        assert torch.equal(gate_up_scales, torch.cat([stored.gate[1], stored.up[1]], 1))
+        assert torch.equal(down, stored.down[0]) and torch.equal(down_scales, stored.down[1])
+    assert_same_training_signal(*peft_pair(with_int8_experts(plain), ours), *batch(14))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("ring", [1, 3])
+def test_int8_stream_on_cuda_bf16(tmp_path, ring):
+    """int8 experts streamed on CUDA in bf16: codes and scales pinned and copied on the side stream, dequantised
+    there: as close to the fp32 model of the int8 weights as plain transformers in bf16 on those weights, and the
+    bytes copied are the codes' and scales' (half of bf16's and a little)."""
+    int8_usable_or_skip()
+    plain = tiny_model_of("qwen3_moe")
+    plain.save_pretrained(tmp_path / "model")
+    truth = with_int8_experts(plain).to("cuda")
+    plain_bf16 = copy.deepcopy(truth).to(torch.bfloat16)
+    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "amx_int8", "kt_expert_placement":
+                                                                "gpu_stream", "kt_stream_ring": ring}},
+                             device="cuda", dtype=torch.bfloat16, progress=False)
+    stream = ours.ktcore.stream
+    assert all(t.is_pinned() for layer in stream.host for part in layer for t in part)
+    truth, plain_bf16 = peft_pair(truth, plain_bf16)
+    torch.manual_seed(7)
+    ours = get_peft_model(ours, lora_config())
+    ids, mask = (t.cuda() for t in batch(8))
+    assert_as_close_as_plain_bf16(truth, plain_bf16, ours, ids, mask)
+    sizes = [sum(t.numel() * t.element_size() for part in layer for t in part) for layer in stream.host]
+    experts = plain.model.layers[0].mlp.experts
+    assert sizes[0] < 0.6 * (experts.gate_up_proj.numel() + experts.down_proj.numel()) * 2
+    assert stream.copied_bytes == sum(sizes) + (sizes[0] if ring == 1 else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_pinned_host_memory_is_its_own_size():
+    """``pinned`` locks a tensor's own bytes (torch's pin_memory takes a power-of-two block: 128 MiB for this one
+    of 65 MiB), the copy reads back equal, and the pages are unregistered once their owner is collected."""
+    import gc
+
+    from ktcore.model.pinned import pinned
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    nbytes = (1 << 26) + (1 << 20)
+    t = torch.randint(-100, 100, (nbytes,), dtype=torch.int8)
+    owner = type("Owner", (), {})()
+    before = rss()
+    locked = pinned(t, owner)
+    grown = rss() - before
+    assert locked.is_pinned() and torch.equal(locked, t) and locked.data_ptr() != t.data_ptr()
+    assert 0.9 * nbytes <= grown <= 1.1 * nbytes, grown / nbytes
+    assert torch.equal(locked.to("cuda", non_blocking=True).cpu(), t)
+    del owner
+    gc.collect()
+    assert not locked.is_pinned()  # unregistered; the memory itself lives while a tensor uses it

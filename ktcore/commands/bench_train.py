@@ -468,7 +468,7 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
     resident = list((base.ktcore.resident or {}).values())
     backends = {layer.backend for layer in base.ktcore.layers.values()}
     pools = [getattr(b, "num_threads", None) for b in backends]
-    common = {"expert_format": computed_format(expert_format, backends), "placement": placement,
+    common = {"expert_format": computed_format(expert_format, base.ktcore.config), "placement": placement,
               "expert_lora_device": lora_device,
               "backend": ",".join(sorted(b.name for b in backends)),
               "moe_layers": len(set(base.ktcore.layers) | set(base.ktcore.streamed)),
@@ -540,16 +540,13 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
     _reset_peaks(device)
 
 
-def computed_format(source_format: str, backends) -> str:
-    """The format the experts are computed in: the source's, or for a bf16 model on a backend that quantises
-    it as it loads (a lossy one: amx_int8), that backend's format."""
-    from ..plugins import get_registry
+def computed_format(source_format: str, kt) -> str:
+    """The format the experts are computed in (streamed ones too): the source's, or for a bf16 model whose experts
+    are quantised as it loads (kt_expert_weight_format int8, or kt_backend amx_int8), that format."""
+    from ..plugins.select import experts_format
 
-    if source_format != "bf16":
-        return source_format
-    specs = get_registry().specs("expert_backend")
-    quantised = sorted({specs[b.name].weight_formats[0] for b in backends if b.name in specs and specs[b.name].lossy})
-    return ",".join(quantised) or source_format
+    quantised = experts_format(kt)
+    return quantised if source_format == "bf16" and quantised not in ("auto", "bf16") else source_format
 
 
 def auto_choices(auto, tokens: int) -> str:

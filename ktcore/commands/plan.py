@@ -43,6 +43,7 @@ def run(cfg, rates: Rates, tokens: list[int], gpu_mem: Optional[float] = None, h
     from dataclasses import asdict, replace
 
     from ..model.shape import model_shape
+    from ..plugins.select import experts_format
 
     if cpu_cores:
         rates = rates.with_cores(cpu_cores)
@@ -50,7 +51,8 @@ def run(cfg, rates: Rates, tokens: list[int], gpu_mem: Optional[float] = None, h
                     host_ram_gib=host_ram if host_ram is not None else rates.host_ram_gib)
     shape = model_shape(hf_config_of(cfg))
     kt = cfg.kt
-    fmt = kt.kt_expert_weight_format if kt.kt_expert_weight_format != "auto" else "bf16"
+    fmt = experts_format(kt)
+    fmt = fmt if fmt != "auto" else "bf16"
     steps = []
     for t in tokens:
         setting = Setting(tokens=t, lora_rank=cfg.lora_rank, weight_format=fmt,

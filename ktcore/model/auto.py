@@ -428,9 +428,11 @@ def rates_for(kt, backend, device) -> Rates:
 
 
 def make_auto(model, kt, backend, device) -> "AutoPlacement":
+    from ..plugins.select import experts_format
     from .shape import model_shape
 
-    fmt = kt.kt_expert_weight_format if kt.kt_expert_weight_format in FORMAT_BYTES else "bf16"
+    fmt = experts_format(kt)
+    fmt = fmt if fmt in FORMAT_BYTES else "bf16"
     setting = Setting(tokens=REFERENCE_TOKENS, weight_format=fmt, recompute=kt.kt_cpu_activation == "recompute",
                       cache_depth=kt.kt_max_cache_depth, ring=kt.kt_stream_ring,
                       stream_recompute=kt.kt_stream_activation == "recompute")

@@ -23,8 +23,9 @@ DeepSeek-V2-Lite shape, amx_bf16), the GPU memory refitted to the 2026-12-05 lea
 tokens/step, 27 layers at 2K with and without checkpointing, the whole model on the GPU): peak GPU memory within
 8% (27 layers at 8K, an older run: 17%), peak host memory within 6% for ``cpu``, tokens/s within 30%
 (``tests/test_plan.py`` holds them to it). Where it is known to be off: ``cpu`` at 32K tokens runs 1.5x faster
-than the one CPU rate predicts; ``gpu_stream``'s host memory is 24-31% above the model's; and ``hybrid`` at 2K and
-8K ran 1.5-1.7x slower than predicted, its two sides not overlapping there (which is why ``auto`` measures).
+than the one CPU rate predicts; ``gpu_stream``'s host memory was 24-31% above the model's (torch's pinned blocks,
+powers of two; ``model/pinned.py`` locks exact sizes since, not yet measured there); and ``hybrid`` at 2K and 8K
+ran 1.5-1.7x slower than predicted, its two sides not overlapping there (which is why ``auto`` measures).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ PLACEMENTS = ("cpu", "gpu_stream", "hybrid", "auto", "gpu")
 FORMAT_BYTES = {"fp32": 4.0, "f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0, "gguf": 34 / 32, "q8_0": 34 / 32,
                 "q4_0": 18 / 32, "q4_1": 20 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256}
 GPU_WEIGHT_BYTES = 2.0  # bf16: what the GPU's grouped kernel computes with, and what is streamed to it
+
 
 # fitted constants (see the module docstring)
 ACTIVATION_BYTES_PER_HIDDEN = 53  # GPU: saved activations per token and decoder layer, in units of hidden size
@@ -119,6 +121,12 @@ class Setting:
     resident_host_copy: bool = True  # the resident experts come from a bf16 host copy (not the backend's own)
 
 
+def streamed_weight_bytes(s: Setting) -> float:
+    """Bytes per weight the stream keeps pinned and copies: int8 experts go as their codes (dequantised on the
+    GPU; the per-channel scales are a few bytes per thousand weights), every other format as bf16."""
+    return FORMAT_BYTES["int8"] if s.weight_format == "int8" else GPU_WEIGHT_BYTES
+
+
 def touched_experts(shape: ModelShape, tokens: int) -> float:
     """Expected experts one layer's T tokens touch, with every expert equally likely."""
     return shape.experts * (1.0 - (1.0 - shape.top_k / shape.experts) ** tokens)
@@ -151,7 +159,8 @@ def cpu_layer_s(shape: ModelShape, s: Setting, rates: Rates) -> float:
 def stream_layer(shape: ModelShape, s: Setting, rates: Rates) -> tuple[float, float, float]:
     """(copy seconds, GPU compute seconds, bytes) of one layer's routed experts streamed: the whole layer is
     copied in forward and again in backward (unless the ring holds every MoE layer)."""
-    nbytes = shape.experts * shape.expert_params * GPU_WEIGHT_BYTES * (1 if s.ring >= shape.moe_layers else 2)
+    copies = 1 if s.ring >= shape.moe_layers else 2
+    nbytes = shape.experts * shape.expert_params * streamed_weight_bytes(s) * copies
     flops = expert_flops(shape, s.tokens, recompute=s.stream_recompute)
     return nbytes / (rates.h2d_gbps * 1e9), flops / (rates.gpu_tflops * 1e12), nbytes
 
@@ -227,15 +236,15 @@ def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_s
 
 
 def _host_memory(shape: ModelShape, s: Setting, cpu_share: float, packed_share: Optional[float] = None,
-                 pinned_share: Optional[float] = None) -> float:
+                 pinned_share: Optional[float] = None, pinned_bytes: Optional[float] = None) -> float:
     """Peak host bytes: the CPU's experts in the backend's format (``packed_share`` of them, default the CPU's
-    share), the streamed ones pinned in bf16 (default the rest; auto keeps both copies of some), and what the CPU
-    backend keeps for backward (input in bf16, gate and up in fp32 per token-slot; the input alone when
-    recomputing) plus its scratch for one layer (6H + 18I per token-slot)."""
+    share), the streamed ones pinned (default the rest; auto keeps both copies of some) at ``pinned_bytes`` a
+    weight (default the stream's), and what the CPU backend keeps for backward (input in bf16, gate and up in fp32
+    per token-slot; the input alone when recomputing) plus its scratch for one layer (6H + 18I per token-slot)."""
     packed_share = cpu_share if packed_share is None else packed_share
     pinned_share = 1 - cpu_share if pinned_share is None else pinned_share
     expert_bytes = shape.routed_params * (packed_share * FORMAT_BYTES[s.weight_format]
-                                          + pinned_share * GPU_WEIGHT_BYTES)
+                                          + pinned_share * (pinned_bytes or streamed_weight_bytes(s)))
     slots = cpu_share * s.tokens * shape.top_k
     saved = (2 * shape.hidden if s.recompute else 2 * shape.hidden + 8 * shape.expert_intermediate)
     kept = slots * saved * min(shape.moe_layers, s.cache_depth)
@@ -244,10 +253,10 @@ def _host_memory(shape: ModelShape, s: Setting, cpu_share: float, packed_share: 
 
 
 def _cost(placement, shape, s, rates, step_s, expert_s, cpu_share, resident, gpu_slot_share, copy_bytes,
-          packed_share=None, pinned_share=None, choice="", held_once=0.0, streamed=False):
+          packed_share=None, pinned_share=None, choice="", held_once=0.0, streamed=False, pinned_bytes=None):
     gpu = _gpu_memory(shape, s, resident, gpu_slot_share, held_once, chunked_loss=placement != "gpu",
                       streamed=streamed) / GIB
-    host = _host_memory(shape, s, cpu_share, packed_share, pinned_share) / GIB
+    host = _host_memory(shape, s, cpu_share, packed_share, pinned_share, pinned_bytes) / GIB
     why = []
     if rates.gpu_mem_gib is not None and gpu > rates.gpu_mem_gib:
         why.append(f"GPU memory {gpu:.1f} > {rates.gpu_mem_gib:g} GiB")
@@ -268,9 +277,11 @@ def _split(shape, s, rates, placement, share: float, times: LayerTimes, **kwargs
 
 
 def streamed_copies(shape: ModelShape, s: Setting) -> float:
-    """Experts a streaming step holds on the GPU at once: the ring's layers, and the LoRA-added copy of the layer
-    computing (rebuilt in backward, not kept from the forward: ``stream.rebuilt_in_backward``)."""
-    return (min(s.ring, shape.moe_layers) + 1) * shape.experts
+    """Experts (in bf16) a streaming step holds on the GPU at once: the ring's layers, the LoRA-added copy of the
+    layer computing (rebuilt in backward, not kept from the forward: ``stream.rebuilt_in_backward``), and int8
+    experts' codes of the layer being copied, before they are dequantised."""
+    staging = FORMAT_BYTES["int8"] / GPU_WEIGHT_BYTES if s.weight_format == "int8" else 0.0
+    return (min(s.ring, shape.moe_layers) + 1 + staging) * shape.experts
 
 
 def fewest_cpu_experts(shape: ModelShape, s: Setting, rates: Rates, lo: int, hi: int) -> int:
@@ -302,7 +313,8 @@ def resident_cost(shape: ModelShape, s: Setting, rates: Rates) -> StepCost:
     refresh_bytes = layers * n * shape.expert_params * GPU_WEIGHT_BYTES / s.gpu_experts_interval
     return _cost("cpu_resident", shape, s, rates, dense + experts, experts, 1 - share, 0, share, refresh_bytes,
                  packed_share=1.0, pinned_share=1.0 if s.resident_host_copy else 0.0,
-                 choice=f"cpu, {n}/{shape.experts} experts resident", held_once=(layers + 1) * n)
+                 pinned_bytes=GPU_WEIGHT_BYTES, choice=f"cpu, {n}/{shape.experts} experts resident",
+                 held_once=(layers + 1) * n)
 
 
 def choice_name(n: int, experts: int) -> str:

@@ -44,6 +44,7 @@ from ..errors import ConfigError
 from ..experts import ExpertWeights, replay
 from .hybrid import HybridPoint
 from .peft_expert_lora import expert_lora_of
+from .pinned import pinned
 from .stream import GPU_EXPERTS_IMPLEMENTATION, _WeightsOf, _with_lora, rebuilt_in_backward
 
 DECAY = 0.5  # counts are multiplied by this at each choice: the last interval weighs as much as all before it
@@ -158,7 +159,7 @@ class ResidentExperts:
         self.pending = (snapshot, event)
 
 
-def host_experts(layer, weights: ExpertWeights, dtype, pinned: bool) -> tuple[tuple, bool]:
+def host_experts(layer, weights: ExpertWeights, dtype, pin: bool) -> tuple[tuple, bool]:
     """((gate_up [E, 2I, H], down [E, H, I]) in host memory, whether that is a copy of its own): the backend's
     packed experts when they are that layout (the torch backend's), else a copy in ``dtype``."""
     packed = layer.packed
@@ -170,8 +171,8 @@ def host_experts(layer, weights: ExpertWeights, dtype, pinned: bool) -> tuple[tu
         return (gate_up, down), False
     gate_up = torch.cat([weights.gate, weights.up], dim=1).to("cpu", dtype).contiguous()
     down = weights.down.to("cpu", dtype).contiguous()
-    if pinned:
-        gate_up, down = gate_up.pin_memory(), down.pin_memory()
+    if pin:  # locked while the layer lives
+        gate_up, down = pinned(gate_up, layer), pinned(down, layer)
     return (gate_up, down), True
 
 
@@ -181,7 +182,7 @@ def attach(module, layer, weights: ExpertWeights, n: int, interval: int, name: s
         raise ValueError(f"{name}: kt_num_gpu_experts with transposed or interleaved experts is not supported yet; "
                          "set kt_num_gpu_experts: 0 for this layer")
     device = torch.device(device)
-    host, own = host_experts(layer, weights, dtype, pinned=device.type == "cuda")
+    host, own = host_experts(layer, weights, dtype, pin=device.type == "cuda")
     layer.overlap = HybridPoint()  # the CPU share returns at once on a GPU, collected after the device's share
     module.__dict__["_ktcore_resident"] = ResidentExperts(name, host, n, interval, device, dtype, own)
 

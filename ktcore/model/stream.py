@@ -2,7 +2,10 @@
 
 A streamed layer keeps its experts in HF's own layout (gate_up [E, 2I, H], down [E, H, I]) in pinned host memory
 and computes with transformers' own grouped experts kernel on the device, expert LoRA added to the copied weights
-as PEFT's ``W + scaling * B @ A`` (the placeholders still carry PEFT's factors, so adapters are unchanged).
+as PEFT's ``W + scaling * B @ A`` (the placeholders still carry PEFT's factors, so adapters are unchanged). With
+int8 experts (``streams_int8``) the host keeps, and the copy moves, each projection's int8 codes and per-channel
+scales (``ktcore.weights.int8``: the weights the int8 CPU backend computes with, half the bytes), and the device
+dequantises them on the side stream after the copy.
 
 ``ExpertStream`` is one model's ring: the device copies of the last ``ring`` layers used. While a layer computes,
 the next one's copy runs on a side stream (the layer after in forward, the layer before in backward). Autograd
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from .pinned import pinned
 
 GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for streamed layers and layers placed on the GPU
 
@@ -44,7 +49,7 @@ class ExpertStream:
         self.device = torch.device(device)
         self.ring = ring
         self.recompute = recompute  # kt_stream_activation: recompute
-        self.host: list[tuple[torch.Tensor, torch.Tensor]] = []  # per streamed layer, in model order
+        self.host: list[tuple[tuple, tuple]] = []  # per streamed layer, in model order: (gate_up, down), see add
         self.base: list[int] = []  # per streamed layer: the layer's expert that host[index] starts with
         self.slots: OrderedDict = OrderedDict()  # layer index -> _Slot
         # the first expert a layer will fetch (an auto layer's planned split), what a prefetch copies; its base
@@ -52,35 +57,54 @@ class ExpertStream:
         self.planner: Optional[Callable[[int], int]] = None
         self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.copied_bytes = 0  # host-to-device bytes so far (the bench reads it)
+        self.dtype: Optional[torch.dtype] = None  # what int8 experts are dequantised to (the model's dtype)
 
-    def add(self, gate_up: torch.Tensor, down: torch.Tensor, base: int = 0) -> int:
-        """Keep one layer's experts ``base..`` (pinned when a GPU will read them); returns its index."""
+    def add(self, gate_up: tuple, down: tuple, base: int = 0, dtype: Optional[torch.dtype] = None) -> int:
+        """Keep one layer's experts ``base..`` (pinned when a GPU will read them); returns its index. Each projection
+        is ``(weight,)`` or, int8, ``(codes, scales)`` to be dequantised to ``dtype`` on the device."""
         if self.side is not None:
-            gate_up, down = gate_up.pin_memory(), down.pin_memory()
+            gate_up, down = (tuple(pinned(t, self) for t in part) for part in (gate_up, down))
         self.host.append((gate_up, down))
         self.base.append(base)
+        self.dtype = dtype or self.dtype
         return len(self.host) - 1
+
+    def experts(self, index: int) -> int:
+        """How many experts the host keeps of layer ``index`` (its experts ``base[index]..``)."""
+        return self.host[index][0][0].shape[0]
 
     def _copy(self, index: int, first: int) -> None:
         held = self.slots.get(index)
         if held is not None and held.first <= first:  # the copy held covers these experts: a view of it will do
             self.slots.move_to_end(index)
             return
-        host = tuple(t[first - self.base[index]:] for t in self.host[index])  # contiguous: a view, no copy
+        skip = first - self.base[index]
+        host = tuple(tuple(t[skip:] for t in part) for part in self.host[index])  # contiguous: views, no copy
         if self.side is None:  # the model is on the CPU: the host copy is the device copy
-            self.slots[index] = _Slot(first, host)
+            self.slots[index] = _Slot(first, tuple(self._weight(part) for part in host))
         else:
             with torch.cuda.stream(self.side):
                 started = torch.cuda.Event(enable_timing=True)
                 started.record(self.side)
-                tensors = tuple(t.to(self.device, non_blocking=True) for t in host)
+                tensors = tuple(self._weight(tuple(t.to(self.device, non_blocking=True) for t in part))
+                                for part in host)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.side)
             self.slots[index] = _Slot(first, tensors, started, done)
-            self.copied_bytes += sum(t.numel() * t.element_size() for t in host)
+            self.copied_bytes += sum(t.numel() * t.element_size() for part in host for t in part)
         self.slots.move_to_end(index)
         while len(self.slots) > self.ring:
             self.slots.popitem(last=False)  # the oldest; a layer computing now still holds its own reference
+
+    def _weight(self, part: tuple) -> torch.Tensor:
+        """One projection's weights from what the host keeps of it, where ``part`` lies: int8 codes times their
+        scales, computed in float32 and rounded once to the stream's dtype (``ktcore.weights.int8.dequantize``'s
+        bits, without its float32 copy of the layer on a GPU)."""
+        if len(part) == 1:
+            return part[0]
+        codes, scales = part
+        return torch.mul(codes, scales.unsqueeze(-1), out=torch.empty(codes.shape, dtype=self.dtype,
+                                                                        device=codes.device))
 
     def fetch(self, index: int, direction: int, first: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts ``first..`` (default: all held) of layer ``index`` on the device, ready for the compute stream;
@@ -98,7 +122,7 @@ class ExpertStream:
         if 0 <= following < len(self.host) and self.ring > 1:
             planned = self.planner(following) if self.planner else None
             planned = self.base[following] if planned is None else planned
-            if planned < self.base[following] + self.host[following][0].shape[0]:
+            if planned < self.base[following] + self.experts(following):
                 self._copy(following, planned)
         return tuple(t[first - slot.first:] for t in slot.tensors)
 

@@ -14,6 +14,7 @@ import torch
 
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins.threads import apply_budget
+from ..weights.int8 import Int8Experts
 from ..specs import ArchSpec, import_object
 from . import host_lora, peft_expert_lora
 from .arch import expert_modules, experts_pattern, find_arch
@@ -231,50 +232,73 @@ def install_resident(model, name: str, module, weights: ExpertWeights, arch: Arc
     module.down_proj = torch.nn.Parameter(weights.down.to(device, dtype), requires_grad=False)
 
 
-def install_streamed(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device,
-                     base: int = 0) -> None:
-    """Keep a gpu_stream layer's experts (a hybrid layer's GPU share: experts ``base..``) in host memory in HF's
-    layout (``finish`` hands them to the stream); the module gets placeholders of its whole shape, so PEFT's expert
-    LoRA folds onto it as on a CPU-backend layer."""
+def streams_int8(kt: KTConfig) -> bool:
+    """Whether streamed experts are kept and copied as int8 codes: when the experts are int8 (kt_expert_weight_format
+    int8, or kt_backend amx_int8), so the GPU computes with the weights the CPU does (the two sides of a hybrid or
+    auto layer agree) from half the host memory and half the copies."""
+    from ..plugins.select import experts_format
+
+    return experts_format(kt) == "int8"
+
+
+def stream_share(weights, lo: int, int8: bool):
+    """Experts ``lo..`` of a layer as the stream keeps them: ``weights`` (``ExpertWeights``, or ``Int8Experts`` that
+    an int8 store holds) sliced, and quantised when ``int8`` (``ktcore.weights.int8``)."""
+    if isinstance(weights, Int8Experts):
+        return Int8Experts(*((codes[lo:], scales[lo:]) for codes, scales in (weights.gate, weights.up, weights.down)))
+    share = ExpertWeights(weights.gate[lo:], weights.up[lo:], weights.down[lo:])
+    return Int8Experts.quantize(share) if int8 else share
+
+
+def install_streamed(model, name: str, module, weights, arch: ArchSpec, dtype, device, base: int = 0) -> None:
+    """Keep a gpu_stream layer's experts (a hybrid layer's GPU share: experts ``base..``; ``stream_share``'s) in
+    host memory in HF's layout, dense in ``dtype`` or int8 codes and scales (``finish`` hands them to the stream);
+    the module gets placeholders of its whole shape, so PEFT's expert LoRA folds onto it as on a CPU-backend layer."""
     if arch.dense_mlp or getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
         raise ValueError(f"{name}: gpu_stream placement of dense MLPs or transposed / interleaved experts is not "
                          "supported yet")
-    gate_up = torch.cat([weights.gate, weights.up], dim=1).to(dtype).contiguous()
-    down = weights.down.to(dtype).contiguous()
+    if isinstance(weights, Int8Experts):  # codes [E, N, K] and scales [E, N]: gate and up concatenated along N
+        gate_up = tuple(torch.cat([g, u], dim=1).contiguous() for g, u in zip(weights.gate, weights.up))
+        down = tuple(t.contiguous() for t in weights.down)
+    else:
+        gate_up = (torch.cat([weights.gate, weights.up], dim=1).to(dtype).contiguous(),)
+        down = (weights.down.to(dtype).contiguous(),)
     module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
     module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
-    module.__dict__["_ktcore_host_experts"] = (gate_up, down, base)
+    module.__dict__["_ktcore_host_experts"] = (gate_up, down, base, dtype)
 
 
 def install_hybrid(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device, backend,
-                   budget, kt, act: str, n: Optional[int] = None):
+                   budget, kt, act: str, n: Optional[int] = None, streamed=None):
     """Split a hybrid layer: the first ``n`` experts (kt_hybrid_cpu_share's) packed into ``backend``, the others
-    kept for the stream."""
+    kept for the stream (from ``streamed`` when given: an int8 store's own codes)."""
     n = cpu_experts(kt.kt_hybrid_cpu_share, weights.gate.shape[0], name) if n is None else n
     cpu = ExpertWeights(weights.gate[:n], weights.up[:n], weights.down[:n])
     layer = ExpertLayer(backend, backend.pack(cpu, activation=act), budget, kt.kt_cpu_activation, name)
     layer.overlap = HybridPoint()
-    install_streamed(model, name, module, ExpertWeights(weights.gate[n:], weights.up[n:], weights.down[n:]), arch,
-                     dtype, device, base=n)
+    share = stream_share(weights if streamed is None else streamed, n, streams_int8(kt))
+    install_streamed(model, name, module, share, arch, dtype, device, base=n)
     module.__dict__.update(_ktcore_layer=layer, _ktcore_cpu_experts=n)
     return layer
 
 
 def install_auto(model, name: str, module, weights: ExpertWeights, arch: ArchSpec, dtype, device, backend,
-                 budget, kt, act: str, window: AutoWindow):
-    """An auto layer: experts ``..hi`` packed into ``backend``, experts ``lo..`` kept for the stream, so a call can
-    put any ``lo..hi`` of them on the CPU (``model/auto.py``). A window of one split is a fixed placement."""
+                 budget, kt, act: str, window: AutoWindow, streamed=None):
+    """An auto layer: experts ``..hi`` packed into ``backend``, experts ``lo..`` kept for the stream (from
+    ``streamed`` when given), so a call can put any ``lo..hi`` of them on the CPU (``model/auto.py``). A window of
+    one split is a fixed placement."""
     experts, lo, hi = weights.gate.shape[0], window.lo, window.hi
+    host, int8 = weights if streamed is None else streamed, streams_int8(kt)
     if lo == hi == experts:
         return install_cpu(model, name, module, weights, arch, dtype, device, backend, budget, kt, act)
     if lo == hi == 0:
-        return install_streamed(model, name, module, weights, arch, dtype, device)
+        return install_streamed(model, name, module, stream_share(host, 0, int8), arch, dtype, device)
     if lo == hi:
-        return install_hybrid(model, name, module, weights, arch, dtype, device, backend, budget, kt, act, n=lo)
+        return install_hybrid(model, name, module, weights, arch, dtype, device, backend, budget, kt, act, n=lo,
+                              streamed=streamed)
     packed = backend.pack(ExpertWeights(weights.gate[:hi], weights.up[:hi], weights.down[:hi]), activation=act)
     layer = ExpertLayer(backend, packed, budget, kt.kt_cpu_activation, name)
-    install_streamed(model, name, module, ExpertWeights(weights.gate[lo:], weights.up[lo:], weights.down[lo:]), arch,
-                     dtype, device, base=lo)
+    install_streamed(model, name, module, stream_share(host, lo, int8), arch, dtype, device, base=lo)
     module.__dict__.update(_ktcore_layer=layer, _ktcore_window=window)
     return layer
 
@@ -362,7 +386,8 @@ def wrap_model(model, kt: KTConfig, need_backward: bool = True):
             continue  # kt_placement keeps this layer as it is, on the model's device
         dtype, device = weight_dtype_device(module, arch)
         if plan[name] == STREAM:
-            install_streamed(model, name, module, module_weights(module, arch), arch, dtype, device)
+            share = stream_share(module_weights(module, arch), 0, streams_int8(kt))
+            install_streamed(model, name, module, share, arch, dtype, device)
             continue
         if plan[name] == HYBRID:
             layers[name] = install_hybrid(model, name, module, module_weights(module, arch), arch, dtype, device,

@@ -79,3 +79,12 @@ def get_backend(name: str, kt, *, need_backward: bool = False, need_lora: bool =
     backend = import_object(choice.spec.factory)(replace(kt, kt_num_threads=backend_threads(kt.kt_num_threads)))
     backend.name = choice.spec.name
     return backend
+
+
+def experts_format(kt, registry: Optional[Registry] = None) -> str:
+    """The weight format the routed experts are computed in: kt_expert_weight_format, or for ``auto`` the format of
+    a lossy backend kt_backend names (amx_int8: int8), else ``auto`` (the backend's own, unquantised)."""
+    if kt.kt_expert_weight_format != "auto":
+        return kt.kt_expert_weight_format
+    spec = (registry or get_registry()).specs("expert_backend").get(kt.kt_backend)
+    return spec.weight_formats[0] if spec is not None and spec.lossy else "auto"

@@ -19,6 +19,7 @@ import torch
 
 LAYOUT = "int8-sym-channel-v1"
 QMAX = 127
+BLOCK_VALUES = 1 << 22  # quantize's rows per pass: 16 MB of float32 scratch
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,8 +29,13 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = weight.reshape(-1, weight.shape[-1])
     codes = torch.empty(rows.shape, dtype=torch.int8, device=weight.device)
     scales = torch.empty(rows.shape[0], dtype=torch.float32, device=weight.device)
-    quantize_into(rows, codes, scales, torch.empty(rows.shape, dtype=torch.float32, device=weight.device),
-                  torch.empty_like(rows))
+    block = max(1, BLOCK_VALUES // rows.shape[1])  # rows at a time: the scratch stays small (a whole layer's would
+    # be four bytes a weight)
+    work = torch.empty((min(block, rows.shape[0]), rows.shape[1]), dtype=torch.float32, device=weight.device)
+    magnitude = torch.empty(work.shape, dtype=rows.dtype, device=weight.device)
+    for r in range(0, rows.shape[0], block):
+        n = min(block, rows.shape[0] - r)
+        quantize_into(rows[r:r + n], codes[r:r + n], scales[r:r + n], work[:n], magnitude[:n])
     return codes.view(weight.shape), scales.view(weight.shape[:-1])
 
 

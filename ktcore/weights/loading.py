@@ -28,7 +28,8 @@ from ..experts import ExpertLayer
 from ..model.auto import AutoWindow
 from ..model.resident import attach as attach_resident
 from ..model.wrap import (HYBRID, STREAM, Resident, activation_name, finish, install_auto, install_hybrid,
-                          install_layer, install_resident, install_streamed, plan_placement, prepare)
+                          install_layer, install_resident, install_streamed, plan_placement, prepare, stream_share,
+                          streams_int8)
 from .gguf_reader import GGUFFile, GGUFWeights, gguf_config
 from .model_path import record_base
 from .safetensors_reader import CheckpointError, SafetensorsCheckpoint, SafetensorsWeights, take_fp8_block
@@ -98,6 +99,7 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
 
     # 3. routed experts, one layer at a time, straight into the backend (or onto the device, kt_placement)
     plan = plan_placement(modules, kt, backend, need_backward, model, device)
+    int8 = streams_int8(kt)
     layers = {}
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
@@ -109,17 +111,22 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
         if packed is not None and resident:
             expert_weights = sources[name].read(dtype)
         if packed is None:
-            expert_weights = sources[name].read(dtype)
+            # an int8 store's codes go to the stream as they are (not dequantised and quantised again)
+            to_stream = target in (STREAM, HYBRID) or isinstance(target, AutoWindow)
+            streamed = sources[name].read_int8() if int8 and to_stream and hasattr(sources[name], "read_int8") \
+                else None
+            expert_weights = None if target == STREAM and streamed is not None else sources[name].read(dtype)
             if target is None:
                 install_resident(model, name, module, expert_weights, arch, dtype, device)
             elif target == STREAM:
-                install_streamed(model, name, module, expert_weights, arch, dtype, device)
+                share = stream_share(expert_weights if streamed is None else streamed, 0, int8)
+                install_streamed(model, name, module, share, arch, dtype, device)
             elif target == HYBRID:
                 layers[name] = install_hybrid(model, name, module, expert_weights, arch, dtype, device, backend,
-                                              budget, kt, act)
+                                              budget, kt, act, streamed=streamed)
             elif isinstance(target, AutoWindow):
                 layer = install_auto(model, name, module, expert_weights, arch, dtype, device, backend, budget, kt,
-                                     act, target)
+                                     act, target, streamed=streamed)
                 if layer is not None:
                     layers[name] = layer
             else:
