@@ -333,7 +333,8 @@ def predict(shape: ModelShape, s: Setting, rates: Rates, placement: str) -> Step
         return _cost("cpu", shape, s, rates, dense + experts, experts, 1.0, 0, 0.0, 0.0)
     if placement == "gpu":
         experts = layers * expert_flops(shape, s.tokens) / (rates.gpu_tflops * 1e12)
-        return _cost("gpu", shape, s, rates, dense + experts, experts, 0.0, layers * shape.experts, 1.0, 0.0)
+        return _cost("gpu", shape, s, rates, dense + experts, experts, 0.0, layers * shape.experts, 1.0, 0.0,
+                     pinned_share=0.0)  # the experts live on the GPU only
     times = layer_times(shape, s, rates)
     if placement == "gpu_stream":
         return _split(shape, s, rates, "gpu_stream", 0.0, times)
