@@ -143,7 +143,7 @@ def test_top_experts_moves_a_resident_expert_only_for_significantly_more_slots()
 def test_counts_persist_across_calls_and_decay_at_each_choice():
     """Counts add up over the interval's calls (not just the last call's), are halved when a choice is taken,
     and the set changes only at the call after the interval ends."""
-    host = (torch.randn(4, 6, 3), torch.randn(4, 3, 3))
+    host = ((torch.randn(4, 6, 3),), (torch.randn(4, 3, 3),))  # gate_up, down: (weight,) each
     r = ResidentExperts("layer", host, 1, 3, "cpu", torch.float32, own_copy=True)
     # 20 tokens a call: a shift of the routing beyond top_experts' noise margin
     calls = [torch.tensor([[2, 1]] * 20), torch.tensor([[2, 3], [3, 1]] * 20), torch.tensor([[3, 0]] * 20)]
@@ -155,7 +155,7 @@ def test_counts_persist_across_calls_and_decay_at_each_choice():
     assert torch.equal(r.pending[0], expected)
     assert torch.equal(r.counts, expected * DECAY)
     assert r.choose().ids == (3,) and r.refreshes == 1
-    assert torch.equal(r.current.weights[0], host[0][3:4]) and torch.equal(r.current.weights[1], host[1][3:4])
+    assert torch.equal(r.current.weights[0], host[0][0][3:4]) and torch.equal(r.current.weights[1], host[1][0][3:4])
     assert r.current.slot_of.tolist() == [1, 1, 1, 0]  # expert 3 in row 0, the others on the CPU (row N)
     for ids in calls:  # the next interval: expert 2 overtakes 3 only with the history halved (50 against 30
         r.count(torch.tensor([[2, 0]] * 10))  # slots; 70 against 60 would be within the noise margin)
@@ -280,7 +280,7 @@ def test_disabled_adapter_and_host_lora_elsewhere():
 def test_counting_and_choosing_never_synchronise_on_cuda():
     """The counts stay on the device and reach the host by a copy nobody waits for; a choice copies the new set
     from pinned memory: torch's sync debug mode raises on any synchronising call among them."""
-    host = (torch.randn(8, 6, 4, dtype=torch.bfloat16), torch.randn(8, 4, 3, dtype=torch.bfloat16))
+    host = ((torch.randn(8, 6, 4, dtype=torch.bfloat16),), (torch.randn(8, 4, 3, dtype=torch.bfloat16),))
     r = ResidentExperts("layer", host, 2, 1, "cuda", torch.bfloat16, own_copy=False)
     calls = [torch.tensor([[7, 6]] * 64, device="cuda"), torch.tensor([[5, 4]] * 64, device="cuda")]
     torch.cuda.synchronize()
@@ -295,7 +295,7 @@ def test_counting_and_choosing_never_synchronise_on_cuda():
     torch.cuda.synchronize()
     r.choose()
     assert r.refreshes >= 1 and r.current.ids in ((6, 7), (4, 5))
-    assert torch.equal(r.current.weights[0].cpu(), host[0][list(r.current.ids)])
+    assert torch.equal(r.current.weights[0].cpu(), host[0][0][list(r.current.ids)])
 
 
 def test_gguf_blocks_on_llamafile_with_resident_experts(tmp_path):
@@ -350,3 +350,29 @@ def test_host_expert_lora_leaves_resident_layers_with_the_model():
                 isinstance(f, HostLoRALinear) for f in (*wrapper.lora_A.values(), *wrapper.lora_B.values()))
     first, *others = MOE_LAYERS[family]
     assert on_host[first] == {True} and others and all(on_host[i] == {False} for i in others)
+
+
+def test_int8_experts_are_resident_as_their_codes():
+    """With int8 experts (amx_int8) the layer's host copy is of their int8 codes and scales (a quarter of fp32's
+    bytes here, half of bf16's), and the resident experts are exactly the weights those codes stand for (what the
+    backend computes with), not the checkpoint's: a refresh gathers codes and scales and dequantises them."""
+    from test_stream import int8_usable_or_skip, with_int8_experts
+
+    int8_usable_or_skip()
+    plain = tiny_qwen3_moe()
+    ours = with_resident(copy.deepcopy(plain), kt_backend="amx_int8")
+    truth = with_int8_experts(plain)
+    skew(ours, [5])
+    ours(batch()[0])  # counts expert 5's slots; the next call takes it
+    ours(batch()[0])
+    residents = list(ours.ktcore.resident.values())
+    for i, r in zip(MOE_LAYERS["qwen3_moe"], residents):
+        (codes, scales), (down_codes, _) = r.host
+        assert codes.dtype == down_codes.dtype == torch.int8 and scales.dtype == torch.float32
+        experts = plain.model.layers[i].mlp.experts
+        assert r.host_bytes < 0.3 * (experts.gate_up_proj.numel() + experts.down_proj.numel()) * 4
+        ids = list(r.current.ids)
+        assert 5 in ids and r.refreshes >= 1
+        want = truth.model.layers[i].mlp.experts
+        assert torch.equal(r.current.weights[0], want.gate_up_proj.detach()[ids])
+        assert torch.equal(r.current.weights[1], want.down_proj.detach()[ids])

@@ -118,7 +118,7 @@ class Setting:
     gradient_checkpointing: bool = False
     gpu_experts: int = 0  # kt_num_gpu_experts: experts per layer resident on the GPU beside the cpu placement
     gpu_experts_interval: int = 8  # kt_gpu_experts_interval: forward calls between two choices of them
-    resident_host_copy: bool = True  # the resident experts come from a bf16 host copy (not the backend's own)
+    resident_host_copy: bool = True  # the resident experts come from a host copy (not the backend's own)
 
 
 def streamed_weight_bytes(s: Setting) -> float:
@@ -236,15 +236,15 @@ def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_s
 
 
 def _host_memory(shape: ModelShape, s: Setting, cpu_share: float, packed_share: Optional[float] = None,
-                 pinned_share: Optional[float] = None, pinned_bytes: Optional[float] = None) -> float:
+                 pinned_share: Optional[float] = None) -> float:
     """Peak host bytes: the CPU's experts in the backend's format (``packed_share`` of them, default the CPU's
-    share), the streamed ones pinned (default the rest; auto keeps both copies of some) at ``pinned_bytes`` a
-    weight (default the stream's), and what the CPU backend keeps for backward (input in bf16, gate and up in fp32
-    per token-slot; the input alone when recomputing) plus its scratch for one layer (6H + 18I per token-slot)."""
+    share), the streamed ones pinned (default the rest; auto keeps both copies of some; bf16, or int8 codes with
+    int8 experts), and what the CPU backend keeps for backward (input in bf16, gate and up in fp32 per token-slot;
+    the input alone when recomputing) plus its scratch for one layer (6H + 18I per token-slot)."""
     packed_share = cpu_share if packed_share is None else packed_share
     pinned_share = 1 - cpu_share if pinned_share is None else pinned_share
     expert_bytes = shape.routed_params * (packed_share * FORMAT_BYTES[s.weight_format]
-                                          + pinned_share * (pinned_bytes or streamed_weight_bytes(s)))
+                                          + pinned_share * streamed_weight_bytes(s))
     slots = cpu_share * s.tokens * shape.top_k
     saved = (2 * shape.hidden if s.recompute else 2 * shape.hidden + 8 * shape.expert_intermediate)
     kept = slots * saved * min(shape.moe_layers, s.cache_depth)
@@ -253,10 +253,10 @@ def _host_memory(shape: ModelShape, s: Setting, cpu_share: float, packed_share: 
 
 
 def _cost(placement, shape, s, rates, step_s, expert_s, cpu_share, resident, gpu_slot_share, copy_bytes,
-          packed_share=None, pinned_share=None, choice="", held_once=0.0, streamed=False, pinned_bytes=None):
+          packed_share=None, pinned_share=None, choice="", held_once=0.0, streamed=False):
     gpu = _gpu_memory(shape, s, resident, gpu_slot_share, held_once, chunked_loss=placement != "gpu",
                       streamed=streamed) / GIB
-    host = _host_memory(shape, s, cpu_share, packed_share, pinned_share, pinned_bytes) / GIB
+    host = _host_memory(shape, s, cpu_share, packed_share, pinned_share) / GIB
     why = []
     if rates.gpu_mem_gib is not None and gpu > rates.gpu_mem_gib:
         why.append(f"GPU memory {gpu:.1f} > {rates.gpu_mem_gib:g} GiB")
@@ -301,20 +301,19 @@ def resident_cost(shape: ModelShape, s: Setting, rates: Rates) -> StepCost:
     """``cpu`` with ``s.gpu_experts`` (N) experts of each layer resident on the GPU: the GPU computes their
     token-slots while the CPU computes the rest. At the uniform routing the model assumes they get N/E of the
     slots (the most used experts get more: a lower bound of their share). GPU memory: their weights once per layer
-    plus one layer's LoRA-added copy; host: every expert packed, and a bf16 copy of them all to refresh from unless
-    the backend's packed experts are that (``resident_host_copy``); copies: N experts per layer at each choice
-    (every ``gpu_experts_interval`` steps at most)."""
+    plus one layer's LoRA-added copy; host: every expert packed, and a copy of them all to refresh from (bf16, or
+    int8 codes with int8 experts) unless the backend's packed experts are that (``resident_host_copy``); copies: N
+    experts per layer at each choice (every ``gpu_experts_interval`` steps at most)."""
     n, layers = s.gpu_experts, shape.moe_layers
     share = n / shape.experts
     dense = gpu_dense_s(shape, s, rates)
     cpu = (1 - share) * cpu_layer_s(shape, s, rates)
     gpu = share * expert_flops(shape, s.tokens) / (rates.gpu_tflops * 1e12)
     experts = layers * max(cpu, gpu)
-    refresh_bytes = layers * n * shape.expert_params * GPU_WEIGHT_BYTES / s.gpu_experts_interval
+    refresh_bytes = layers * n * shape.expert_params * streamed_weight_bytes(s) / s.gpu_experts_interval
     return _cost("cpu_resident", shape, s, rates, dense + experts, experts, 1 - share, 0, share, refresh_bytes,
                  packed_share=1.0, pinned_share=1.0 if s.resident_host_copy else 0.0,
-                 pinned_bytes=GPU_WEIGHT_BYTES, choice=f"cpu, {n}/{shape.experts} experts resident",
-                 held_once=(layers + 1) * n)
+                 choice=f"cpu, {n}/{shape.experts} experts resident", held_once=(layers + 1) * n)
 
 
 def choice_name(n: int, experts: int) -> str:

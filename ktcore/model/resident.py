@@ -28,7 +28,9 @@ Where the resident weights come from. When the backend's packed experts are HF's
 torch backend), a refresh gathers the chosen experts from them: no second host copy. Other backends pack their
 own formats (amx_bf16's tiles, int8 codes, GGUF blocks) that no kernel here reads, so the layer keeps a host copy
 of its experts in the model's dtype (pinned with a GPU), counted in ``host_bytes``: host RAM holds the experts
-twice, as ``auto`` placement's does. Re-reading them from the checkpoint instead is not done: the checkpoint is
+twice, as ``auto`` placement's does. With int8 experts that copy is of their int8 codes and scales, dequantised
+on the device at each refresh: the resident experts compute with the weights the backend does, from half the
+bytes. Re-reading them from the checkpoint instead is not done: the checkpoint is
 closed after loading (an ephemeral store deleted), and a refresh would read the disk in the training loop.
 """
 
@@ -45,7 +47,8 @@ from ..experts import ExpertWeights, replay
 from .hybrid import HybridPoint
 from .peft_expert_lora import expert_lora_of
 from .pinned import pinned
-from .stream import GPU_EXPERTS_IMPLEMENTATION, _WeightsOf, _with_lora, rebuilt_in_backward
+from .stream import (GPU_EXPERTS_IMPLEMENTATION, _WeightsOf, _with_lora, host_layout, rebuilt_in_backward,
+                     weight_of)
 
 DECAY = 0.5  # counts are multiplied by this at each choice: the last interval weighs as much as all before it
 # an expert displaces a resident one only with this many standard deviations more slots (``top_experts``); decayed
@@ -97,9 +100,9 @@ class ResidentExperts:
     def __init__(self, name: str, host: tuple, n: int, interval: int, device, dtype, own_copy: bool):
         self.name, self.n, self.interval = name, n, interval
         self.device, self.dtype = torch.device(device), dtype
-        self.host = host  # gate_up [E, 2I, H], down [E, H, I] in host memory
-        self.host_bytes = sum(t.numel() * t.element_size() for t in host) if own_copy else 0
-        self.experts = host[0].shape[0]
+        self.host = host  # (gate_up, down) in host memory, as ``stream.host_layout`` keeps them
+        self.host_bytes = sum(t.numel() * t.element_size() for part in host for t in part) if own_copy else 0
+        self.experts = host[0][0].shape[0]
         self.counts = torch.zeros(self.experts, dtype=torch.float32, device=self.device)
         self.calls = 0  # counted calls since the last snapshot of the counts
         self.pending: Optional[tuple] = None  # (counts in host memory, the event their copy recorded)
@@ -117,12 +120,15 @@ class ResidentExperts:
         slot_of[index] = torch.arange(self.n)
         cuda = self.device.type == "cuda"
         weights = []
-        for t in self.host:
-            # gathered into pinned memory, so the copy to the device runs without holding up the host
-            rows = torch.empty((self.n, *t.shape[1:]), dtype=t.dtype, pin_memory=cuda)
-            torch.index_select(t, 0, index, out=rows)
-            weights.append(rows.to(self.device, non_blocking=True).to(self.dtype) if cuda else rows.to(self.dtype))
-        self.copied_bytes += sum(t.numel() * t.element_size() for t in weights) if cuda else 0
+        for part in self.host:
+            rows = []
+            for t in part:
+                # gathered into pinned memory, so the copy to the device runs without holding up the host
+                rows.append(torch.empty((self.n, *t.shape[1:]), dtype=t.dtype, pin_memory=cuda))
+                torch.index_select(t, 0, index, out=rows[-1])
+            self.copied_bytes += sum(t.numel() * t.element_size() for t in rows) if cuda else 0
+            weights.append(weight_of(tuple(t.to(self.device, non_blocking=cuda) for t in rows), self.dtype)
+                           .to(self.dtype))
         # the ids pinned too: a copy from pageable memory would wait for everything queued on the device
         small = [t.pin_memory() if cuda else t for t in (index, slot_of)]
         index_device, slot_of = (t.to(self.device, non_blocking=True) for t in small)
@@ -159,25 +165,26 @@ class ResidentExperts:
         self.pending = (snapshot, event)
 
 
-def host_experts(layer, weights: ExpertWeights, dtype, pin: bool) -> tuple[tuple, bool]:
-    """((gate_up [E, 2I, H], down [E, H, I]) in host memory, whether that is a copy of its own): the backend's
-    packed experts when they are that layout (the torch backend's), else a copy in ``dtype``."""
+def host_experts(layer, weights, dtype, pin: bool) -> tuple[tuple, bool]:
+    """((gate_up, down) in host memory as ``stream.host_layout`` keeps them, whether that is a copy of its own): the
+    backend's packed experts when they are HF's layout (the torch backend's), else a copy in ``dtype``, or of the
+    int8 codes and scales when ``weights`` are ``Int8Experts`` (int8 experts: the weights the backend computes)."""
     packed = layer.packed
     gate_up, down = getattr(packed, "gate_up", None), getattr(packed, "down", None)
-    e, i, h = weights.gate.shape
-    if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and \
-            tuple(gate_up.shape) == (e, 2 * i, h) and tuple(down.shape) == (e, h, i) and \
-            gate_up.device.type == "cpu" and gate_up.is_floating_point():
-        return (gate_up, down), False
-    gate_up = torch.cat([weights.gate, weights.up], dim=1).to("cpu", dtype).contiguous()
-    down = weights.down.to("cpu", dtype).contiguous()
+    if isinstance(weights, ExpertWeights) and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
+        e, i, h = weights.gate.shape
+        if tuple(gate_up.shape) == (e, 2 * i, h) and tuple(down.shape) == (e, h, i) and \
+                gate_up.device.type == "cpu" and gate_up.is_floating_point():
+            return ((gate_up,), (down,)), False
+    host = host_layout(weights, dtype)
     if pin:  # locked while the layer lives
-        gate_up, down = pinned(gate_up, layer), pinned(down, layer)
-    return (gate_up, down), True
+        host = tuple(tuple(pinned(t, layer) for t in part) for part in host)
+    return host, True
 
 
-def attach(module, layer, weights: ExpertWeights, n: int, interval: int, name: str, dtype, device) -> None:
-    """Make a cpu layer (``layer`` packs all its experts) keep ``n`` of them resident on ``device``."""
+def attach(module, layer, weights, n: int, interval: int, name: str, dtype, device) -> None:
+    """Make a cpu layer (``layer`` packs all its experts) keep ``n`` of them resident on ``device``; ``weights``:
+    its ``ExpertWeights``, or ``Int8Experts`` when the experts are int8 (``wrap.stream_share``'s)."""
     if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
         raise ValueError(f"{name}: kt_num_gpu_experts with transposed or interleaved experts is not supported yet; "
                          "set kt_num_gpu_experts: 0 for this layer")

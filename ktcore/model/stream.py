@@ -29,6 +29,29 @@ from .pinned import pinned
 GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for streamed layers and layers placed on the GPU
 
 
+def host_layout(weights, dtype) -> tuple[tuple, tuple]:
+    """One layer's experts as the stream (and resident experts) keep them in host memory: (gate_up, down) in HF's
+    layout, each projection ``(weight,)`` in ``dtype``, or for ``Int8Experts`` ``(codes [E, N, K], scales [E, N])``
+    with gate and up concatenated along N (their scales are per output channel, so that is the fused matrix's)."""
+    from ..weights.int8 import Int8Experts
+
+    if isinstance(weights, Int8Experts):
+        return (tuple(torch.cat([g, u], dim=1).contiguous() for g, u in zip(weights.gate, weights.up)),
+                tuple(t.contiguous() for t in weights.down))
+    return ((torch.cat([weights.gate, weights.up], dim=1).to(dtype).contiguous(),),
+            (weights.down.to(dtype).contiguous(),))
+
+
+def weight_of(part: tuple, dtype) -> torch.Tensor:
+    """One projection's weights from what the host keeps of it (``host_layout``), where ``part`` lies: the weight
+    itself, or int8 codes times their scales, computed in float32 and rounded once to ``dtype``
+    (``ktcore.weights.int8.dequantize``'s bits, without its float32 copy of the layer on a GPU)."""
+    if len(part) == 1:
+        return part[0]
+    codes, scales = part
+    return torch.mul(codes, scales.unsqueeze(-1), out=torch.empty(codes.shape, dtype=dtype, device=codes.device))
+
+
 @dataclass
 class _Slot:
     """One layer's experts ``first..`` on the device, and the side-stream events around their copy."""
@@ -81,12 +104,12 @@ class ExpertStream:
         skip = first - self.base[index]
         host = tuple(tuple(t[skip:] for t in part) for part in self.host[index])  # contiguous: views, no copy
         if self.side is None:  # the model is on the CPU: the host copy is the device copy
-            self.slots[index] = _Slot(first, tuple(self._weight(part) for part in host))
+            self.slots[index] = _Slot(first, tuple(weight_of(part, self.dtype) for part in host))
         else:
             with torch.cuda.stream(self.side):
                 started = torch.cuda.Event(enable_timing=True)
                 started.record(self.side)
-                tensors = tuple(self._weight(tuple(t.to(self.device, non_blocking=True) for t in part))
+                tensors = tuple(weight_of(tuple(t.to(self.device, non_blocking=True) for t in part), self.dtype)
                                 for part in host)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.side)
@@ -95,16 +118,6 @@ class ExpertStream:
         self.slots.move_to_end(index)
         while len(self.slots) > self.ring:
             self.slots.popitem(last=False)  # the oldest; a layer computing now still holds its own reference
-
-    def _weight(self, part: tuple) -> torch.Tensor:
-        """One projection's weights from what the host keeps of it, where ``part`` lies: int8 codes times their
-        scales, computed in float32 and rounded once to the stream's dtype (``ktcore.weights.int8.dequantize``'s
-        bits, without its float32 copy of the layer on a GPU)."""
-        if len(part) == 1:
-            return part[0]
-        codes, scales = part
-        return torch.mul(codes, scales.unsqueeze(-1), out=torch.empty(codes.shape, dtype=self.dtype,
-                                                                        device=codes.device))
 
     def fetch(self, index: int, direction: int, first: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts ``first..`` (default: all held) of layer ``index`` on the device, ready for the compute stream;

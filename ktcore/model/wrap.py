@@ -26,7 +26,7 @@ from .peft_expert_lora import expert_lora_of
 from .placement import num_gpu_experts, parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
 from .resident import attach as attach_resident, check_count, resident_forward
-from .stream import GPU_EXPERTS_IMPLEMENTATION, ExpertStream, streamed_forward
+from .stream import GPU_EXPERTS_IMPLEMENTATION, ExpertStream, host_layout, streamed_forward
 
 if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
     from ..config import KTConfig
@@ -257,12 +257,7 @@ def install_streamed(model, name: str, module, weights, arch: ArchSpec, dtype, d
     if arch.dense_mlp or getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
         raise ValueError(f"{name}: gpu_stream placement of dense MLPs or transposed / interleaved experts is not "
                          "supported yet")
-    if isinstance(weights, Int8Experts):  # codes [E, N, K] and scales [E, N]: gate and up concatenated along N
-        gate_up = tuple(torch.cat([g, u], dim=1).contiguous() for g, u in zip(weights.gate, weights.up))
-        down = tuple(t.contiguous() for t in weights.down)
-    else:
-        gate_up = (torch.cat([weights.gate, weights.up], dim=1).to(dtype).contiguous(),)
-        down = (weights.down.to(dtype).contiguous(),)
+    gate_up, down = host_layout(weights, dtype)
     module.gate_up_proj = make_placeholder(module.gate_up_proj.shape, dtype, device)
     module.down_proj = make_placeholder(module.down_proj.shape, dtype, device)
     module.__dict__["_ktcore_host_experts"] = (gate_up, down, base, dtype)
@@ -310,7 +305,8 @@ def install_cpu(model, name: str, module, weights: ExpertWeights, arch: ArchSpec
     layer = ExpertLayer(backend, backend.pack(weights, activation=act), budget, kt.kt_cpu_activation, name)
     install_layer(model, name, module, layer, arch, dtype, device)
     if resident:
-        attach_resident(module, layer, weights, resident.n, kt.kt_gpu_experts_interval, name, dtype, device)
+        attach_resident(module, layer, stream_share(weights, 0, streams_int8(kt)), resident.n,
+                        kt.kt_gpu_experts_interval, name, dtype, device)
     return layer
 
 

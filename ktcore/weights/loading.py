@@ -108,8 +108,9 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
         packed = target.pack_source(sources[name], act) \
             if target not in (None, STREAM, HYBRID) and not isinstance(target, AutoWindow) else None
-        if packed is not None and resident:
-            expert_weights = sources[name].read(dtype)
+        if packed is not None and resident:  # int8 experts: the store's own codes
+            expert_weights = sources[name].read_int8() if int8 and hasattr(sources[name], "read_int8") \
+                else sources[name].read(dtype)
         if packed is None:
             # an int8 store's codes go to the stream as they are (not dequantised and quantised again)
             to_stream = target in (STREAM, HYBRID) or isinstance(target, AutoWindow)
@@ -135,8 +136,8 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
             layers[name] = ExpertLayer(target, packed, budget, kt.kt_cpu_activation, name)
             install_layer(model, name, module, layers[name], arch, dtype, device)
             if resident:
-                attach_resident(module, layers[name], expert_weights, resident.n, kt.kt_gpu_experts_interval, name,
-                                dtype, device)
+                attach_resident(module, layers[name], stream_share(expert_weights, 0, int8), resident.n,
+                                kt.kt_gpu_experts_interval, name, dtype, device)
         expert_weights = None  # one layer's dense experts at a time
         if hasattr(sources[name], "done"):  # the layer is loaded: an ephemeral store deletes its files
             sources.pop(name).done()
