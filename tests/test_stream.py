@@ -54,22 +54,26 @@ def test_refetch_happens_and_weights_are_not_kept(qwen3_pair):
     assert backward[0][0] == 1
 
 
-def test_no_lora_added_weights_live_from_forward_to_backward(qwen3_pair, monkeypatch):
+@pytest.mark.parametrize("experts", ["dense", "int8"])
+def test_no_lora_added_weights_live_from_forward_to_backward(qwen3_pair, monkeypatch, experts):
     """Ring 1: between a step's forward and its backward no layer's LoRA-added weights (``W + s B A``, as large as
     the layer's experts) are alive: the saved-tensor hooks kept them alive through their closure once, one copy of
-    every streamed layer (5.2 GiB of DeepSeek-V2-Lite's 6 layers on the H200 machine)."""
+    every streamed layer (5.2 GiB of DeepSeek-V2-Lite's 6 layers on the H200 machine). int8: the dequantised
+    tensor the LoRA is added to in place is not kept either."""
     import gc
     import weakref
 
     from ktcore.model import stream as stream_module
 
+    if experts == "int8":
+        int8_usable_or_skip()
     plain, ours = qwen3_pair
-    streamed(ours, ring=1)
+    streamed(ours, ring=1, **({"kt_backend": "amx_int8"} if experts == "int8" else {}))
     made = []
     real = stream_module._with_lora
 
-    def recorded(weight, factors):
-        out = real(weight, factors)
+    def recorded(*args):
+        out = real(*args)
         made.append(weakref.ref(out))
         return out
 

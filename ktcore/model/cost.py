@@ -277,11 +277,10 @@ def _split(shape, s, rates, placement, share: float, times: LayerTimes, **kwargs
 
 
 def streamed_copies(shape: ModelShape, s: Setting) -> float:
-    """Experts (in bf16) a streaming step holds on the GPU at once: the ring's layers, the LoRA-added copy of the
-    layer computing (rebuilt in backward, not kept from the forward: ``stream.rebuilt_in_backward``), and int8
-    experts' codes of the layer being copied, before they are dequantised."""
-    staging = FORMAT_BYTES["int8"] / GPU_WEIGHT_BYTES if s.weight_format == "int8" else 0.0
-    return (min(s.ring, shape.moe_layers) + 1 + staging) * shape.experts
+    """Experts (in bf16) a streaming step holds on the GPU at once: the ring's layers (int8 experts: their codes,
+    half), and the LoRA-added copy of the layer computing (rebuilt in backward, not kept from the forward:
+    ``stream.rebuilt_in_backward``)."""
+    return (min(s.ring, shape.moe_layers) * streamed_weight_bytes(s) / GPU_WEIGHT_BYTES + 1) * shape.experts
 
 
 def fewest_cpu_experts(shape: ModelShape, s: Setting, rates: Rates, lo: int, hi: int) -> int:

@@ -223,7 +223,7 @@ def resident_share(module, chosen: ResidentSet, hidden_states, slot, top_k_weigh
     dtype = hidden_states.dtype
 
     def rebuild(part):
-        return _with_lora(chosen.weights[part].to(dtype), factors[part])
+        return _with_lora((chosen.weights[part],), factors[part], dtype)
 
     weights = (rebuild(0), rebuild(1))
     experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]

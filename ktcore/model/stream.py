@@ -3,9 +3,10 @@
 A streamed layer keeps its experts in HF's own layout (gate_up [E, 2I, H], down [E, H, I]) in pinned host memory
 and computes with transformers' own grouped experts kernel on the device, expert LoRA added to the copied weights
 as PEFT's ``W + scaling * B @ A`` (the placeholders still carry PEFT's factors, so adapters are unchanged). With
-int8 experts (``streams_int8``) the host keeps, and the copy moves, each projection's int8 codes and per-channel
-scales (``ktcore.weights.int8``: the weights the int8 CPU backend computes with, half the bytes), and the device
-dequantises them on the side stream after the copy.
+int8 experts (``streams_int8``) the host keeps, the copy moves and the ring holds each projection's int8 codes and
+per-channel scales (``ktcore.weights.int8``: the weights the int8 CPU backend computes with, half the bytes); a
+layer dequantises them as it computes, into the tensor its LoRA is then added to in place, so the GPU holds one
+bf16 copy of the computing layer beside the ring's codes.
 
 ``ExpertStream`` is one model's ring: the device copies of the last ``ring`` layers used. While a layer computes,
 the next one's copy runs on a side stream (the layer after in forward, the layer before in backward). Autograd
@@ -57,7 +58,7 @@ class _Slot:
     """One layer's experts ``first..`` on the device, and the side-stream events around their copy."""
 
     first: int
-    tensors: tuple
+    parts: tuple  # (gate_up, down) as the host keeps them (``host_layout``), on the device
     started: Optional[torch.cuda.Event] = None
     done: Optional[torch.cuda.Event] = None
     timed: bool = False  # the copy's time was handed to a caller (take_copy)
@@ -104,40 +105,41 @@ class ExpertStream:
         skip = first - self.base[index]
         host = tuple(tuple(t[skip:] for t in part) for part in self.host[index])  # contiguous: views, no copy
         if self.side is None:  # the model is on the CPU: the host copy is the device copy
-            self.slots[index] = _Slot(first, tuple(weight_of(part, self.dtype) for part in host))
+            self.slots[index] = _Slot(first, host)
         else:
             with torch.cuda.stream(self.side):
                 started = torch.cuda.Event(enable_timing=True)
                 started.record(self.side)
-                tensors = tuple(weight_of(tuple(t.to(self.device, non_blocking=True) for t in part), self.dtype)
-                                for part in host)
+                parts = tuple(tuple(t.to(self.device, non_blocking=True) for t in part) for part in host)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.side)
-            self.slots[index] = _Slot(first, tensors, started, done)
+            self.slots[index] = _Slot(first, parts, started, done)
             self.copied_bytes += sum(t.numel() * t.element_size() for part in host for t in part)
         self.slots.move_to_end(index)
         while len(self.slots) > self.ring:
             self.slots.popitem(last=False)  # the oldest; a layer computing now still holds its own reference
 
-    def fetch(self, index: int, direction: int, first: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts ``first..`` (default: all held) of layer ``index`` on the device, ready for the compute stream;
-        starts copying the layer ``direction`` (+1 forward, -1 backward) from it, to overlap this layer's
-        compute (the experts ``planner`` says it will take)."""
+    def fetch(self, index: int, direction: int, first: Optional[int] = None) -> tuple[tuple, tuple]:
+        """Experts ``first..`` (default: all held) of layer ``index`` on the device as the host keeps them (the
+        weights, or int8 codes and scales: ``weight_of`` makes them weights), ready for the compute stream; starts
+        copying the layer ``direction`` (+1 forward, -1 backward) from it, to overlap this layer's compute (the
+        experts ``planner`` says it will take)."""
         first = self.base[index] if first is None else first
         self._copy(index, first)
         slot = self.slots[index]
         if slot.done is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(slot.done)
-            for t in slot.tensors:
-                t.record_stream(compute)  # allocated on the side stream, read on this one
+            for part in slot.parts:
+                for t in part:
+                    t.record_stream(compute)  # allocated on the side stream, read on this one
         following = index + direction
         if 0 <= following < len(self.host) and self.ring > 1:
             planned = self.planner(following) if self.planner else None
             planned = self.base[following] if planned is None else planned
             if planned < self.base[following] + self.experts(following):
                 self._copy(following, planned)
-        return tuple(t[first - slot.first:] for t in slot.tensors)
+        return tuple(tuple(t[first - slot.first:] for t in part) for part in slot.parts)
 
     def take_copy(self, index: int):
         """(first expert, (start, end) events) of the copy layer ``index``'s device experts came from, once: None
@@ -174,12 +176,16 @@ class _WeightsOf:
         return getattr(self._module, name)
 
 
-def _with_lora(weight: torch.Tensor, factors) -> torch.Tensor:
-    """``weight + scaling * B @ A`` per expert (PEFT's parametrisation of a target parameter)."""
+def _with_lora(part: tuple, factors, dtype) -> torch.Tensor:
+    """One projection's weights (``part`` as the host keeps it, ``weight_of``) in ``dtype`` plus ``scaling * B @ A``
+    per expert (PEFT's parametrisation of a target parameter). Int8 codes dequantise into a fresh tensor, which
+    takes the LoRA in place: one layer-sized tensor on the device, not two."""
+    weight = weight_of(part, dtype).to(dtype)
     if factors is None:
         return weight
     b, a, scale = factors
-    return weight + (torch.bmm(b, a) * scale).to(weight.dtype)
+    delta = (torch.bmm(b, a) * scale).to(dtype)
+    return weight.add_(delta) if len(part) > 1 else weight + delta
 
 
 def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, top_k_index, top_k_weights,
@@ -200,7 +206,7 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
         base = stream.fetch(index, direction, first)
         if timed and on_fetched is not None:
             on_fetched()
-        return tuple(_with_lora(w.to(dtype), f) for w, f in zip(base, factors))
+        return tuple(_with_lora(p, f, dtype) for p, f in zip(base, factors))
 
     if stream.recompute and torch.is_grad_enabled():
         return _recomputed(module, experts, weights, hidden_states, top_k_index, top_k_weights)
@@ -209,7 +215,7 @@ def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, to
         return experts(_WeightsOf(module, *forward), hidden_states, top_k_index, top_k_weights)
 
     def refetch(part):
-        return _with_lora(stream.fetch(index, -1, first)[part].to(hidden_states.dtype), factors[part])
+        return _with_lora(stream.fetch(index, -1, first)[part], factors[part], hidden_states.dtype)
 
     with rebuilt_in_backward(forward, refetch):
         return experts(_WeightsOf(module, *forward), hidden_states, top_k_index, top_k_weights)
