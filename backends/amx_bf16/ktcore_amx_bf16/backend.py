@@ -101,19 +101,23 @@ class _Prof:
 
 
 class AMXBF16Backend(ExpertBackendBase):
-    """AMX BF16 expert backend. ``kernels="portable"`` (tests only) runs the same code with plain C++ kernels."""
+    """BF16 expert backend. ``kernels`` (or ``KTCORE_AMX_BF16_KERNELS``): ``auto`` (AMX tiles where this process
+    may use them, else AVX-512 BF16 dot products on the same packed experts), ``amx``, ``avx512``, or ``portable``
+    (plain C++ kernels, for tests)."""
 
     name = "amx_bf16"
 
     def __init__(self, config=None, kernels: Optional[str] = None):
         super().__init__(config)
         ext = _ext()
-        kernels = kernels or os.environ.get("KTCORE_AMX_BF16_KERNELS", "amx")
-        if kernels == "amx":
-            why = ext.amx_unavailable_reason()
-            if why:
-                raise RuntimeError(f"the amx_bf16 backend cannot run here: {why}; choose kt_backend: torch "
-                                   "(or auto) on this CPU")
+        kernels = kernels or os.environ.get("KTCORE_AMX_BF16_KERNELS", "auto")
+        if kernels == "auto":
+            kernels = "amx" if not ext.amx_unavailable_reason() else "avx512"
+        why = {"amx": ext.amx_unavailable_reason, "avx512": ext.avx512_bf16_unavailable_reason}.get(
+            kernels, lambda: "")()
+        if why:
+            raise RuntimeError(f"the amx_bf16 backend cannot run its {kernels} kernels here: {why}; choose "
+                               "kt_backend: auto on this CPU")
         threads, pools = engine_threads(self.config)
         self._engine = ext.Engine(threads, pools, kernels)
         self._ws = Workspace()
@@ -126,6 +130,10 @@ class AMXBF16Backend(ExpertBackendBase):
     @property
     def num_pools(self) -> int:
         return self._engine.num_pools
+
+    @property
+    def kernels(self) -> str:
+        return self._engine.kernels
 
     # -- pack ----------------------------------------------------------------------------------------------
     def pack(self, weights: ExpertWeights, activation: str = "silu") -> AMXPacked:

@@ -13,13 +13,15 @@ PYBIND11_MODULE(_ext, m) {
   m.doc() = "amx_bf16 expert kernels (AMX BF16 tiles + AVX-512); no libtorch";
   m.def("amx_unavailable_reason", [] { return ktamx::amx_ready(); },
         "'' when this process may use AMX (CPUID + arch_prctl permission), else the reason");
+  m.def("avx512_bf16_unavailable_reason", &ktamx::avx512_bf16_ready,
+        "'' when the CPU has AVX-512 BF16 (the avx512 kernels), else the reason");
 
   ktcore::lora::bind_projection(m);
 
   using G = py::call_guard<py::gil_scoped_release>;
   py::class_<Engine>(m, "Engine")
       .def(py::init<int, int, const std::string&>(), py::arg("num_threads") = 0, py::arg("num_pools") = 1,
-           py::arg("kernels") = "amx")
+           py::arg("kernels") = "auto")
       .def_property_readonly("num_threads", &Engine::num_threads)
       .def_property_readonly("num_pools", &Engine::num_pools)
       .def_property_readonly("kernels", &Engine::kernels)

@@ -1,6 +1,7 @@
-// Kernel table: the leaf routines of the amx_bf16 backend. Two tables exist: "amx" (AMX tiles + AVX-512,
-// compiled with AMX flags in kernels_amx.cpp, used only after the AMX permission check succeeded) and
-// "portable" (plain C++, any x86-64, used to test the orchestration on CPUs without AMX).
+// Kernel table: the leaf routines of the amx_bf16 backend. Three tables exist: "amx" (AMX tiles + AVX-512,
+// compiled with AMX flags in kernels_amx.cpp, used only after the AMX permission check succeeded), "avx512"
+// (AVX-512 BF16 dot products on the same packed blocks, kernels_avx512.cpp, for CPUs with AVX512_BF16 but no AMX)
+// and "portable" (plain C++, any x86-64, used to test the orchestration anywhere).
 //
 // Packed weight layout (one matrix W [N, K], row n = output n): blocks of 16 outputs x 32 inputs,
 // block (nb, kb) at ((nb * KB) + kb) * 512 uint16; inside a block element (n, k) sits at
@@ -58,6 +59,7 @@ struct KernelTable {
 };
 
 const KernelTable* amx_kernels();
+const KernelTable* avx512_kernels();
 const KernelTable* portable_kernels();
 
 }  // namespace ktamx

@@ -11,46 +11,13 @@ namespace amxk {
 
 #include "elementwise.inc"
 #include "ktcore/expert_lora_leaves.inc"
+#include "avx512_bf16.inc"
 
 // Loaded at the start of every kernel call: another library (oneDNN inside torch, say) may have changed or
 // released this thread's tile configuration in between.
 static inline void ensure_tile_config() {
   static const ktamx::TileConfig cfg = ktamx::TileConfig::uniform(8, 16, 64);
   _tile_loadconfig(&cfg);
-}
-
-// few rows (decode): AVX512_BF16 dot products straight on the packed VNNI blocks (rows < 16: one group)
-template <int M>
-static void gemm_small(const uint16_t* A, ALayout la, const uint16_t* B0, const uint16_t* B1, int64_t kb,
-                       float* C, int64_t ldc, int acc) {
-  __m512 c0[M], c1[M];
-  for (int r = 0; r < M; ++r) {
-    c0[r] = acc ? _mm512_loadu_ps(C + r * ldc) : _mm512_setzero_ps();
-    c1[r] = acc ? _mm512_loadu_ps(C + r * ldc + 16) : _mm512_setzero_ps();
-  }
-  for (int64_t k = 0; k < kb; ++k) {
-    const uint16_t* b0 = B0 + k * kBlockElems;
-    const uint16_t* b1 = B1 + k * kBlockElems;
-    const uint16_t* a = A + k * la.kblock;
-    for (int kp = 0; kp < 16; ++kp) {
-      // one cache line of each stream's block 4 ahead per step: the whole block is fetched in time
-      _mm_prefetch(reinterpret_cast<const char*>(b0 + 4 * kBlockElems + kp * 32), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b1 + 4 * kBlockElems + kp * 32), _MM_HINT_T0);
-      __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + kp * 32);
-      __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kp * 32);
-      for (int r = 0; r < M; ++r) {
-        uint32_t pair;
-        __builtin_memcpy(&pair, a + r * la.row + 2 * kp, 4);
-        __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        c0[r] = _mm512_dpbf16_ps(c0[r], x, w0);
-        c1[r] = _mm512_dpbf16_ps(c1[r], x, w1);
-      }
-    }
-  }
-  for (int r = 0; r < M; ++r) {
-    _mm512_storeu_ps(C + r * ldc, c0[r]);
-    _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
-  }
 }
 
 // Software prefetch of one 16-row A tile (or a 1 KiB B block): every line when the rows are scattered,
@@ -61,16 +28,6 @@ static inline void prefetch_tile(const uint16_t* p, int64_t row_bytes) {
     for (int l = 0; l < 1024; l += 256) _mm_prefetch(c + l, _MM_HINT_T0);
   } else {
     for (int r = 0; r < 16; ++r) _mm_prefetch(c + r * row_bytes, _MM_HINT_T0);
-  }
-}
-
-// all 16 lines of block k of both weight streams: on the first pass over a block pair they come from DRAM
-static inline void prefetch_blocks(const uint16_t* B0, const uint16_t* B1, int64_t k) {
-  const char* p0 = reinterpret_cast<const char*>(B0 + k * kBlockElems);
-  const char* p1 = reinterpret_cast<const char*>(B1 + k * kBlockElems);
-  for (int l = 0; l < 1024; l += 64) {
-    _mm_prefetch(p0 + l, _MM_HINT_T0);
-    _mm_prefetch(p1 + l, _MM_HINT_T0);
   }
 }
 
@@ -140,44 +97,6 @@ static void gemm_block(const uint16_t* A, ALayout la, int64_t m, const uint16_t*
     _tile_stored(0, c, sc); _tile_stored(1, c + 16, sc);
     if (two) { _tile_stored(2, c + 16 * ldc, sc); _tile_stored(3, c + 16 * ldc + 16, sc); }
   }
-}
-
-// Lanes `lane` (16 bytes) of four rows two apart (rows of 64 bytes): r, r + 2, r + 4, r + 6.
-static inline __m512i gather_lanes(const uint16_t* r, int lane) {
-  const __m128i* p = reinterpret_cast<const __m128i*>(r + lane * 8);
-  __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(p));
-  z = _mm512_inserti32x4(z, _mm_loadu_si128(p + 8), 1);
-  z = _mm512_inserti32x4(z, _mm_loadu_si128(p + 16), 2);
-  return _mm512_inserti32x4(z, _mm_loadu_si128(p + 24), 3);
-}
-
-// A forward block's row kp is 8 qwords; qword q = W[2q][2kp], W[2q][2kp+1], W[2q+1][2kp], W[2q+1][2kp+1].
-// Row np of the transposed block out_h (W^T rows 16h..16h+15) is qword np % 8 of forward rows 8h..8h+7 (of fa
-// for np < 8, else fb), each with its middle words swapped: an 8 x 8 qword transpose whose lane moves are done
-// by the loads (inserts from memory), leaving two shuffles per output row: the shuffle port is what bounds a
-// transpose.
-static void transpose_pair(const uint16_t* fa, const uint16_t* fb, uint16_t* out0, uint16_t* out1) {
-  const __m512i swap_mid = _mm512_set4_epi32(0x0F0E0B0A, 0x0D0C0908, 0x07060302, 0x05040100);
-  for (int h = 0; h < 2; ++h)
-    for (int f = 0; f < 2; ++f) {
-      const uint16_t* rows = (f ? fb : fa) + 8 * h * 32;
-      uint16_t* o = (h ? out1 : out0) + 8 * f * 32;
-      for (int lane = 0; lane < 4; ++lane) {
-        const __m512i even = gather_lanes(rows, lane), odd = gather_lanes(rows + 32, lane);
-        _mm512_storeu_si512(o + 2 * lane * 32, _mm512_shuffle_epi8(_mm512_unpacklo_epi64(even, odd), swap_mid));
-        _mm512_storeu_si512(o + (2 * lane + 1) * 32, _mm512_shuffle_epi8(_mm512_unpackhi_epi64(even, odd), swap_mid));
-      }
-    }
-}
-
-// The forward blocks of step k + kTransposeAhead, prefetched into L1 while step k is transposed and multiplied;
-// past the last step, those of the call that follows (`next`, null if none).
-constexpr int64_t kTransposeAhead = 1;
-static inline void prefetch_ahead(const uint16_t* f, const uint16_t* next, int64_t stride, int64_t odd,
-                                  int64_t steps, int64_t k) {
-  k += kTransposeAhead;
-  const uint16_t* p = k < steps ? f + k * stride : next ? next + (k - steps) * stride : nullptr;
-  if (p) prefetch_blocks(p, p + odd, 0);
 }
 
 // One 32-row group over `steps` W^T block pairs derived from forward blocks as it goes: step k's transposes go

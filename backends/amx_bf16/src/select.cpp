@@ -15,14 +15,33 @@ const std::string& amx_ready() {
   return reason;
 }
 
+std::string avx512_bf16_ready() {
+  __builtin_cpu_init();
+  std::string missing;
+  auto need = [&](bool has, const char* name) {
+    if (!has) missing += (missing.empty() ? "" : ", ") + std::string(name);
+  };
+  need(__builtin_cpu_supports("avx512f"), "avx512f");  // the builtin takes string literals only
+  need(__builtin_cpu_supports("avx512bw"), "avx512bw");
+  need(__builtin_cpu_supports("avx512vl"), "avx512vl");
+  need(__builtin_cpu_supports("avx512bf16"), "avx512_bf16");
+  return missing.empty() ? "" : "CPU lacks " + missing;
+}
+
 const KernelTable* kernels_for(const std::string& which) {
   if (which == "portable") return portable_kernels();
+  if (which == "auto") return kernels_for(amx_ready().empty() ? "amx" : "avx512");
   if (which == "amx") {
     const std::string& why = amx_ready();
     if (!why.empty()) throw std::runtime_error("amx_bf16 kernels unavailable: " + why);
     return amx_kernels();
   }
-  throw std::invalid_argument("kernels must be 'amx' or 'portable', not '" + which + "'");
+  if (which == "avx512") {
+    const std::string why = avx512_bf16_ready();
+    if (!why.empty()) throw std::runtime_error("amx_bf16's avx512 kernels unavailable: " + why);
+    return avx512_kernels();
+  }
+  throw std::invalid_argument("kernels must be 'auto', 'amx', 'avx512' or 'portable', not '" + which + "'");
 }
 
 int default_threads() {

@@ -19,6 +19,8 @@ from ktcore_amx_bf16.backend import AMXBF16Backend
 
 AMX_REASON = _ext.amx_unavailable_reason()
 needs_amx = pytest.mark.skipif(bool(AMX_REASON), reason=f"this CPU/process cannot use AMX: {AMX_REASON}")
+AVX512_REASON = _ext.avx512_bf16_unavailable_reason()
+needs_avx512 = pytest.mark.skipif(bool(AVX512_REASON), reason=f"this CPU cannot use AVX-512 BF16: {AVX512_REASON}")
 
 
 class _PortableMixin:
@@ -44,6 +46,27 @@ class TestAMXBF16ContractBF16Input(TestAMXBF16Contract):
 
 @needs_amx
 class TestAMXBF16ContractTwoPools(TestAMXBF16Contract):
+    kt_config = {"kt_tp_enabled": True, "kt_threadpool_count": 2, "kt_num_threads": 2}
+
+
+class _AVX512Mixin:
+    def make_backend(self, **kt):
+        from ktcore.config import as_kt_config
+
+        return AMXBF16Backend(as_kt_config({"kt_backend": "amx_bf16", **self.kt_config, **kt}), kernels="avx512")
+
+
+@needs_avx512
+class TestAVX512Contract(_AVX512Mixin, ExpertBackendContract):
+    backend_name = "amx_bf16"
+    weight_dtype = torch.bfloat16
+    rtol_out = 1e-2
+    rtol_grad = 2e-2
+
+
+@needs_avx512
+class TestAVX512ContractTwoPools(TestAVX512Contract):
+    input_dtype = torch.bfloat16
     kt_config = {"kt_tp_enabled": True, "kt_threadpool_count": 2, "kt_num_threads": 2}
 
 
@@ -108,7 +131,7 @@ def _backend(kernels, **kt):
     return AMXBF16Backend(as_kt_config({"kt_backend": "amx_bf16", **kt}), kernels=kernels)
 
 
-KERNELS = [pytest.param("amx", marks=needs_amx), "portable"]
+KERNELS = [pytest.param("amx", marks=needs_amx), pytest.param("avx512", marks=needs_avx512), "portable"]
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -237,10 +260,11 @@ def test_listed_without_loading_extension(fresh_registry):
     assert "amx_bf16" in specs
     spec = specs["amx_bf16"]
     assert spec.priority == 20 and set(spec.weight_formats) == {"auto", "bf16"}
-    assert set(spec.required_cpu_features) == {"amx_tile", "amx_bf16", "avx512f", "avx512_bf16"}
+    # the avx512 kernels' features: AMX is used where present, not required
+    assert set(spec.required_cpu_features) == {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 
 
-def test_unavailable_without_amx_flags(monkeypatch, fresh_registry):
+def test_unavailable_without_avx512_bf16_flags(monkeypatch, fresh_registry):
     from ktcore.plugins.select import resolve_backend
 
     monkeypatch.setenv("KTCORE_CPU_FLAGS", "avx2,fma")
@@ -248,7 +272,7 @@ def test_unavailable_without_amx_flags(monkeypatch, fresh_registry):
     choice = resolve_backend("auto")
     assert choice.spec is not None and choice.spec.name != "amx_bf16"
     reason = choice.reasons["amx_bf16"]
-    assert reason and "amx_tile" in reason
+    assert reason and "avx512_bf16" in reason
     with pytest.raises(Exception, match="amx_bf16"):
         ktcore.get_backend("amx_bf16", {"kt_backend": "amx_bf16"})
 
@@ -259,10 +283,10 @@ def test_probe_names_the_missing_cpu_features(monkeypatch, fresh_registry):
 
     monkeypatch.setenv("KTCORE_CPU_FLAGS", "avx2,fma,avx512f,avx512_bf16")
     ktcore.plugins.hw._detect.cache_clear()
-    assert probe() == "CPU lacks amx_tile, amx_bf16"
+    assert probe() == "CPU lacks avx512bw, avx512vl"
     monkeypatch.setenv("KTCORE_CPU_FLAGS", "avx2,fma")
     ktcore.plugins.hw._detect.cache_clear()
-    assert probe() == "CPU lacks amx_tile, amx_bf16, avx512f, avx512_bf16"
+    assert probe() == "CPU lacks avx512f, avx512bw, avx512vl, avx512_bf16"
 
 
 @pytest.mark.perf
@@ -305,5 +329,5 @@ def test_read_seconds_reads_at_least_100_mb_s():
 
 @pytest.mark.skipif(not AMX_REASON, reason="checks the error on CPUs without AMX")
 def test_amx_kernels_refused_without_amx():
-    with pytest.raises(RuntimeError, match="cannot run here"):
+    with pytest.raises(RuntimeError, match="cannot run its amx kernels here"):
         _backend("amx")
