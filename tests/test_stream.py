@@ -277,7 +277,7 @@ def with_int8_experts(model):
     """A copy of ``model`` whose routed experts are what their int8 codes stand for (``int8-sym-channel-v1``: one
     scale per output channel, so gate_up's rows quantise as gate's and up's do): the truth of an int8 stream."""
     from ktcore.model.arch import expert_modules, find_arch
-    from ktcore.weights.int8 import dequantize, quantize
+    from ktcore.experts.int8 import dequantize, quantize
 
     truth = copy.deepcopy(model)
     with torch.no_grad():
@@ -316,7 +316,7 @@ def test_int8_hybrid_streams_the_codes_its_cpu_share_computes(qwen3_pair):
     weights does, within amx_int8's own rounding of its activations (measured 1.0e-2 in the logits and 5.0e-2 in
     the gradients; keeping the original weights in the stream measured 1.7e-2 / 6.2e-2, so the bounds catch what
     the codes check cannot: scales applied to the wrong rows or experts)."""
-    from ktcore.weights.int8 import quantize
+    from ktcore.experts.int8 import quantize
 
     int8_usable_or_skip()
     plain, ours = qwen3_pair

@@ -1,7 +1,7 @@
 """Weight stores (issue 22 items 2-3): ``ktcore convert MODEL_DIR`` into a store, and loading from it.
 
 Oracles: the model loaded straight from its checkpoint (a bf16 store must give the same logits bit for bit),
-a checkpoint holding ``ktcore.weights.int8``'s quantise-dequantise of the experts (an int8 store must give its
+a checkpoint holding ``ktcore.experts.int8``'s quantise-dequantise of the experts (an int8 store must give its
 logits bit for bit), the dequantised FP8 weights (for an FP8 DeepSeek-V3 checkpoint); every broken store fails
 with one line naming its file; a conversion SIGKILLed part way resumes without rewriting finished files and ends
 with the same files as an uninterrupted one; an ephemeral store is gone after loading, after SIGTERM or SIGINT,
@@ -29,7 +29,7 @@ from ktcore.config import ConfigError, config_from_dict
 from ktcore.experts import ExpertWeights
 from ktcore.testing.kills import run_ktcore
 from ktcore.weights.convert import convert_model, pool_ranges
-from ktcore.weights.int8 import Int8Experts
+from ktcore.experts.int8 import Int8Experts
 from ktcore.weights.safetensors_reader import SafetensorsCheckpoint, SafetensorsExpertSource
 from ktcore.weights.store import JOURNAL_NAME, MANIFEST_NAME, StoreError, model_fingerprint, open_store
 

@@ -4,7 +4,7 @@ A streamed layer keeps its experts in HF's own layout (gate_up [E, 2I, H], down 
 and computes with transformers' own grouped experts kernel on the device, expert LoRA added to the copied weights
 as PEFT's ``W + scaling * B @ A`` (the placeholders still carry PEFT's factors, so adapters are unchanged). With
 int8 experts (``streams_int8``) the host keeps, the copy moves and the ring holds each projection's int8 codes and
-per-channel scales (``ktcore.weights.int8``: the weights the int8 CPU backend computes with, half the bytes); a
+per-channel scales (``ktcore.experts.int8``: the weights the int8 CPU backend computes with, half the bytes); a
 layer dequantises them as it computes, into the tensor its LoRA is then added to in place, so the GPU holds one
 bf16 copy of the computing layer beside the ring's codes.
 
@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..experts.int8 import Int8Experts
 from .pinned import pinned
 
 GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for streamed layers and layers placed on the GPU
@@ -34,8 +35,6 @@ def host_layout(weights, dtype) -> tuple[tuple, tuple]:
     """One layer's experts as the stream (and resident experts) keep them in host memory: (gate_up, down) in HF's
     layout, each projection ``(weight,)`` in ``dtype``, or for ``Int8Experts`` ``(codes [E, N, K], scales [E, N])``
     with gate and up concatenated along N (their scales are per output channel, so that is the fused matrix's)."""
-    from ..weights.int8 import Int8Experts
-
     if isinstance(weights, Int8Experts):
         return (tuple(torch.cat([g, u], dim=1).contiguous() for g, u in zip(weights.gate, weights.up)),
                 tuple(t.contiguous() for t in weights.down))
@@ -46,7 +45,7 @@ def host_layout(weights, dtype) -> tuple[tuple, tuple]:
 def weight_of(part: tuple, dtype) -> torch.Tensor:
     """One projection's weights from what the host keeps of it (``host_layout``), where ``part`` lies: the weight
     itself, or int8 codes times their scales, computed in float32 and rounded once to ``dtype``
-    (``ktcore.weights.int8.dequantize``'s bits, without its float32 copy of the layer on a GPU)."""
+    (``ktcore.experts.int8.dequantize``'s bits, without its float32 copy of the layer on a GPU)."""
     if len(part) == 1:
         return part[0]
     codes, scales = part

@@ -14,7 +14,7 @@ import torch
 
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
 from ..plugins.threads import apply_budget
-from ..weights.int8 import Int8Experts
+from ..experts.int8 import Int8Experts
 from ..specs import ArchSpec, import_object
 from . import host_lora, peft_expert_lora
 from .arch import expert_modules, experts_pattern, find_arch
@@ -243,7 +243,7 @@ def streams_int8(kt: KTConfig) -> bool:
 
 def stream_share(weights, lo: int, int8: bool):
     """Experts ``lo..`` of a layer as the stream keeps them: ``weights`` (``ExpertWeights``, or ``Int8Experts`` that
-    an int8 store holds) sliced, and quantised when ``int8`` (``ktcore.weights.int8``)."""
+    an int8 store holds) sliced, and quantised when ``int8`` (``ktcore.experts.int8``)."""
     if isinstance(weights, Int8Experts):
         return Int8Experts(*((codes[lo:], scales[lo:]) for codes, scales in (weights.gate, weights.up, weights.down)))
     share = ExpertWeights(weights.gate[lo:], weights.up[lo:], weights.down[lo:])

@@ -5,7 +5,7 @@ With ``threadpools`` N each layer's intermediate dim is cut into N contiguous ra
 longer), as ``kt_tp_enabled`` splits it between thread pools, so each pool's (NUMA node's) share is one file:
 
 * ``bf16``: ``gate``, ``up`` ``[E, I_p, H]`` and ``down`` ``[E, H, I_p]`` in bf16;
-* ``int8`` (``ktcore.weights.int8``, ``int8-sym-channel-v1``): ``{gate,up}.codes`` ``[E, I_p, H]`` int8 with
+* ``int8`` (``ktcore.experts.int8``, ``int8-sym-channel-v1``): ``{gate,up}.codes`` ``[E, I_p, H]`` int8 with
   ``{gate,up}.scales`` ``[E, I_p]``, ``down.codes`` ``[E, H, I_p]`` with ``down.scales`` ``[E, H]``; the scales
   are those of the whole row, so down's are the same in every pool's file. Quantised in float32 from the weights
   as stored (bf16 converts exactly; FP8 blocks dequantised in float32 first), never from a bf16 rounding of them.
@@ -41,7 +41,7 @@ from ..experts import ExpertWeights
 from ..model.wrap import expert_modules, find_arch
 from ..specs import import_object
 from .buffers import reused
-from .int8 import Int8Experts, quantize_into
+from ..experts.int8 import Int8Experts, quantize_into
 from .safetensors_reader import (FP8_DTYPES, SafetensorsCheckpoint, SafetensorsExpertSource, SafetensorsWeights,
                                  take_fp8_block)
 from .staged import StagedFile

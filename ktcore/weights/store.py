@@ -30,7 +30,7 @@ import torch
 from .. import __version__
 from ..errors import CheckpointError, KtcoreError
 from ..files import atomic_file, clean_leftovers, fault_point
-from .int8 import LAYOUT as INT8_LAYOUT
+from ..experts.int8 import LAYOUT as INT8_LAYOUT
 from .safetensors_reader import DTYPES, INDEX_NAME, SINGLE_NAME, read_header
 from .staged import StagedFile, safetensors_layout, write_staged
 

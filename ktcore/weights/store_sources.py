@@ -18,7 +18,7 @@ import torch
 
 from ..experts import ExpertWeights
 from .convert import convert_experts, layer_template, non_expert_names, pool_tensors
-from .int8 import Int8Experts
+from ..experts.int8 import Int8Experts
 from .safetensors_reader import DTYPES, FP8_DTYPES, SafetensorsCheckpoint, SafetensorsWeights, expert_dims
 from .scratch import scratch_dir
 from .store import Store, StoreError, open_store, model_fingerprint

@@ -1,4 +1,4 @@
-"""ktcore expert backend ``amx_int8``: int8 experts (``int8-sym-channel-v1``, ``ktcore.weights.int8``) computed by
+"""ktcore expert backend ``amx_int8``: int8 experts (``int8-sym-channel-v1``, ``ktcore.experts.int8``) computed by
 AMX INT8 tiles or AVX-512 VNNI in a torch-ABI-free pybind11 extension.
 
 Importing this package is cheap and never loads the compiled extension; ``ktcore_amx_int8._ext`` is the extension

@@ -1,6 +1,6 @@
 """The amx_int8 expert backend: torch glue around the compiled kernels in ``ktcore_amx_int8._ext``.
 
-Weights are int8 codes with one float32 scale per output channel and expert (``ktcore.weights.int8``,
+Weights are int8 codes with one float32 scale per output channel and expert (``ktcore.experts.int8``,
 ``int8-sym-channel-v1``), packed into AMX INT8 B-tile blocks. Per call C++ sorts the routing by expert, quantises
 each routed row (symmetric, one scale per row), multiplies codes by codes in int32 (AMX TDPBSSD for many rows per
 expert, AVX-512 VNNI for few) and dequantises in each output block's epilogue: gate and up with the SiLU(gate) * up
@@ -23,7 +23,7 @@ from ktcore.experts.native_call import (Route, Workspace, address, check_lora_as
                                         engine_threads, route_rows, token_rows)
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
-from ktcore.weights.int8 import LAYOUT, Int8Experts
+from ktcore.experts.int8 import LAYOUT, Int8Experts
 
 KERNELS = ("auto", "amx", "vnni", "portable")
 
@@ -139,7 +139,7 @@ class AMXInt8Backend(ExpertBackendBase):
         return hugepages.empty(e * _rup(n, 64) * _rup(k, 64), torch.int8)
 
     def pack(self, weights: ExpertWeights, activation: str = "silu") -> Int8Packed:
-        """Quantise dense experts (int8-sym-channel-v1: the codes and scales of ``ktcore.weights.int8.quantize``)."""
+        """Quantise dense experts (int8-sym-channel-v1: the codes and scales of ``ktcore.experts.int8.quantize``)."""
         weights.validate()
         self._check(activation)
         e, i, h = weights.gate.shape

@@ -3,7 +3,7 @@
 //
 // Weights: int8 codes in the block layout of kernels.hpp, gate/up [E, Ip/16, Hp/64, 1024 B] and down [E, Hp/16,
 // Ip/64, 1024 B] (Hp, Ip: H and I rounded up to 64), and float32 scales per output channel, gate/up [E, I], down
-// [E, H] (ktcore.weights.int8, int8-sym-channel-v1). Activations are quantised per row on the fly (symmetric, one
+// [E, H] (ktcore.experts.int8, int8-sym-channel-v1). Activations are quantised per row on the fly (symmetric, one
 // float32 scale per row) into int8 row buffers whose experts' rows are padded to 16 (poff), lda bytes apart.
 #pragma once
 
@@ -28,7 +28,7 @@ class Engine {
   std::string kernels() const { return K_->name; }
 
   // src [E, N, K] fp32 or bf16, contiguous -> codes in dst (block layout, rup(N,64) x rup(K,64) per expert) and
-  // scales [E, N]: int8-sym-channel-v1, the codes of ktcore.weights.int8.quantize to the bit.
+  // scales [E, N]: int8-sym-channel-v1, the codes of ktcore.experts.int8.quantize to the bit.
   void quantize_weights(uintptr_t src, bool src_bf16, int64_t E, int64_t N, int64_t K, uintptr_t dst,
                         uintptr_t scales);
   // codes int8 [E, N, K] contiguous -> dst (block layout); unpack is the inverse

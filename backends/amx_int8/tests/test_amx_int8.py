@@ -1,7 +1,7 @@
 """amx_int8 against ktcore's contract suite (two oracles), its quantiser against numpy, determinism, and the kernel
 tables against each other.
 
-Oracles. "dequantised": the float64 dense reference on the weights that ``ktcore.weights.int8`` (Python, not the
+Oracles. "dequantised": the float64 dense reference on the weights that ``ktcore.experts.int8`` (Python, not the
 backend's native quantiser) rounds to int8-sym-channel-v1; what remains is the per-row activation quantisation.
 "bf16 budget": the reference on the bf16 weights themselves, within the issue's int8 error budget (output 3e-2,
 gradients 5e-2). The VNNI classes skip only on CPUs without AVX-512 VNNI, the AMX classes where this process cannot
@@ -16,7 +16,7 @@ from ktcore.config import as_kt_config
 from ktcore.experts import ExpertWeights
 from ktcore.testing import ExpertBackendContract
 from ktcore.testing.contract import Case, relative_error
-from ktcore.weights.int8 import Int8Experts
+from ktcore.experts.int8 import Int8Experts
 
 from ktcore_amx_int8 import _ext
 from ktcore_amx_int8.backend import AMXInt8Backend
