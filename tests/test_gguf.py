@@ -503,3 +503,29 @@ def test_gguf_float_experts_on_llamafile(tmp_path, family):
     for name, layer in ours.ktcore.layers.items():
         assert layer.packed.num_experts == getattr(plain.get_submodule(name), "num_experts", 1), name
     assert_equivalent(plain, ours, seed=3)
+
+
+def test_auto_backend_computes_quantised_blocks_as_they_are(tmp_path):
+    """kt_backend auto on a GGUF of quantised expert blocks takes the backend that computes them as they are (the
+    one kt_expert_weight_format gguf chooses: llamafile), not the bf16 backend auto prefers elsewhere, which would
+    dequantise them at 2-4x their memory; a float GGUF, and a backend or format the user names, keep auto's own
+    choice."""
+    from ktcore.plugins.select import resolve_backend
+    from ktcore_tiny import backend_unusable, tiny_qwen3_moe
+
+    blocks = resolve_backend("auto", weight_format="gguf", need_backward=True, need_lora=True).spec
+    if blocks is None:
+        pytest.skip(f"no backend computes GGUF blocks here: {backend_unusable('llamafile')}")
+    plain = tiny_qwen3_moe(seed=5, hidden_size=64, moe_intermediate_size=32, head_dim=16)
+    quantised, floats = tmp_path / "q8.gguf", tmp_path / "f32.gguf"
+    write_gguf(plain, "qwen3_moe", quantised, expert_qtype=gguf.GGMLQuantizationType.Q8_0)
+    write_gguf(plain, "qwen3_moe", floats)
+
+    def backend(path, **kt):
+        model = ktcore.load_model(path, {"kt_backend": "auto", **kt}, device="cpu", progress=False)
+        return {layer.backend.name for layer in model.ktcore.layers.values()}
+
+    general = resolve_backend("auto", need_backward=True, need_lora=True).spec.name
+    assert backend(quantised) == {blocks.name}
+    assert backend(floats) == {general}
+    assert backend(quantised, kt_backend="torch") == {"torch"}

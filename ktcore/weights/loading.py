@@ -202,6 +202,7 @@ def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backwar
         raise CheckpointError(f"{path}: kt_weight_path, kt_non_expert_weight_path and kt_weight_lifecycle: "
                               "ephemeral take a safetensors model directory, not a .gguf file; remove them")
     with (nullcontext(file) if file is not None else GGUFFile(path)) as file:
+        kt = backend_for_blocks(kt, file, need_backward)
         hf_config = gguf_config(file) if hf_config is None else copy.deepcopy(hf_config)  # as load_model does
         dtype = _resolve_dtype(hf_config, dtype or getattr(hf_config, "dtype", None) or torch.float32)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -212,6 +213,26 @@ def load_gguf_model(path, kt: KTConfig, *, device=None, dtype=None, need_backwar
     model.config.dtype = dtype
     record_base(model, path)
     return model.eval()
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def backend_for_blocks(kt: KTConfig, file: GGUFFile, need_backward: bool) -> KTConfig:
+    """``kt_backend: auto`` on a GGUF whose feed-forward weights are quantised blocks: the best backend here that
+    computes those blocks as they are (``weight_format`` gguf: llamafile), not one that would dequantise them to
+    bf16 at 2-4x their memory (a Q4_K DeepSeek-V3 would not fit the host it was made for). A backend named in
+    kt_backend, or a kt_expert_weight_format, is the user's choice and kept."""
+    from dataclasses import replace
+
+    from ..plugins.select import resolve_backend
+
+    if kt.kt_backend != "auto" or kt.kt_expert_weight_format != "auto":
+        return kt
+    if all(file.type_name(n) in FLOAT_TYPES for n in file.keys() if n.startswith("blk.") and ".ffn_" in n):
+        return kt
+    choice = resolve_backend("auto", weight_format="gguf", need_backward=need_backward, need_lora=need_backward)
+    return replace(kt, kt_backend=choice.spec.name) if choice.spec is not None else kt
 
 
 def meta_model_of(path, trust_remote_code: bool = False):
