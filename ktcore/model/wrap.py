@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..experts import ActivationBudget, ExpertLayer, ExpertWeights
-from ..plugins.threads import apply_budget
 from ..experts.int8 import Int8Experts
+from ..plugins.threads import apply_budget
 from ..specs import ArchSpec, import_object
 from . import host_lora, peft_expert_lora
 from .arch import expert_modules, experts_pattern, find_arch

@@ -108,14 +108,12 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
         packed = target.pack_source(sources[name], act) \
             if target not in (None, STREAM, HYBRID) and not isinstance(target, AutoWindow) else None
-        if packed is not None and resident:  # int8 experts: the store's own codes
-            expert_weights = sources[name].read_int8() if int8 and hasattr(sources[name], "read_int8") \
-                else sources[name].read(dtype)
+        if packed is not None and resident:
+            codes = int8_codes(sources[name], int8)
+            expert_weights = sources[name].read(dtype) if codes is None else codes
         if packed is None:
-            # an int8 store's codes go to the stream as they are (not dequantised and quantised again)
             to_stream = target in (STREAM, HYBRID) or isinstance(target, AutoWindow)
-            streamed = sources[name].read_int8() if int8 and to_stream and hasattr(sources[name], "read_int8") \
-                else None
+            streamed = int8_codes(sources[name], int8) if to_stream else None
             expert_weights = None if target == STREAM and streamed is not None else sources[name].read(dtype)
             if target is None:
                 install_resident(model, name, module, expert_weights, arch, dtype, device)
@@ -147,6 +145,12 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
                               "its config")
     finish(model, kt, arch, backend, layers)
     return model
+
+
+def int8_codes(source, int8: bool):
+    """With int8 experts, an int8 store's codes as they are (``read_int8``: for the stream or resident experts, not
+    dequantised and quantised again); None for any other source, or dense experts."""
+    return source.read_int8() if int8 and hasattr(source, "read_int8") else None
 
 
 def load_model(path, kt: KTConfig, *, device=None, dtype=None, need_backward: bool = True,
