@@ -238,6 +238,13 @@ def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring, placement, activation):
                                                                 "kt_hybrid_cpu_share": 0.5,
                                                                 "kt_stream_activation": activation}},
                              device="cuda", dtype=torch.bfloat16, progress=False)
+    assert_streamed_on_cuda(ours, truth, plain_bf16, ring)
+
+
+def assert_streamed_on_cuda(ours, truth, plain_bf16, ring: int) -> list:
+    """A streamed model on CUDA in bf16: its host experts pinned, as close to the fp32 ``truth`` as plain
+    transformers in bf16, and the bytes copied the layers' (forward copies every layer once, backward again each
+    layer the ring no longer holds: with ring 1 the first); returns each layer's host bytes."""
     stream = ours.ktcore.stream
     assert all(t.is_pinned() for layer in stream.host for part in layer for t in part)
     truth, plain_bf16 = peft_pair(truth, plain_bf16)
@@ -245,9 +252,9 @@ def test_gpu_stream_on_cuda_bf16(tmp_path, family, ring, placement, activation):
     ours = get_peft_model(ours, lora_config())
     ids, mask = (t.cuda() for t in batch(8))
     assert_as_close_as_plain_bf16(truth, plain_bf16, ours, ids, mask)
-    # forward copies every layer once; backward again each layer the ring no longer holds (ring 1: the first)
     sizes = [sum(t.numel() * t.element_size() for part in layer for t in part) for layer in stream.host]
     assert stream.copied_bytes == sum(sizes) + (sizes[0] if ring == 1 else 0)
+    return sizes
 
 
 @pytest.mark.parametrize("placement", ["gpu_stream", "hybrid"])
@@ -376,17 +383,9 @@ def test_int8_stream_on_cuda_bf16(tmp_path, ring):
     ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "amx_int8", "kt_expert_placement":
                                                                 "gpu_stream", "kt_stream_ring": ring}},
                              device="cuda", dtype=torch.bfloat16, progress=False)
-    stream = ours.ktcore.stream
-    assert all(t.is_pinned() for layer in stream.host for part in layer for t in part)
-    truth, plain_bf16 = peft_pair(truth, plain_bf16)
-    torch.manual_seed(7)
-    ours = get_peft_model(ours, lora_config())
-    ids, mask = (t.cuda() for t in batch(8))
-    assert_as_close_as_plain_bf16(truth, plain_bf16, ours, ids, mask)
-    sizes = [sum(t.numel() * t.element_size() for part in layer for t in part) for layer in stream.host]
+    sizes = assert_streamed_on_cuda(ours, truth, plain_bf16, ring)
     experts = plain.model.layers[0].mlp.experts
     assert sizes[0] < 0.6 * (experts.gate_up_proj.numel() + experts.down_proj.numel()) * 2
-    assert stream.copied_bytes == sum(sizes) + (sizes[0] if ring == 1 else 0)
 
 
 @pytest.mark.gpu

@@ -36,14 +36,11 @@ static void gemm_block(const uint16_t* A, ALayout la, int64_t m, const uint16_t*
   }
 }
 
-// Every step's W^T blocks first (into the 2 * steps slots), then the products.
+// Every step's W^T blocks first, then the products.
 static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uint16_t* f, int64_t stride,
                              int64_t odd, int64_t steps, float* C, int64_t ldc, int acc, uint16_t* slots,
                              const uint16_t* next) {
-  for (int64_t k = 0; k < steps; ++k) {
-    prefetch_ahead(f, next, stride, odd, steps, k);
-    transpose_pair(f + k * stride, f + k * stride + odd, slots + k * kBlockElems, slots + (steps + k) * kBlockElems);
-  }
+  transpose_steps(f, stride, odd, steps, slots, next);
   gemm_block(A, la, m, slots, slots + steps * kBlockElems, steps, C, ldc, acc);
 }
 

@@ -23,11 +23,15 @@ AVX512_REASON = _ext.avx512_bf16_unavailable_reason()
 needs_avx512 = pytest.mark.skipif(bool(AVX512_REASON), reason=f"this CPU cannot use AVX-512 BF16: {AVX512_REASON}")
 
 
-class _PortableMixin:
+class _KernelsMixin:
+    """The contract on one of the backend's kernel tables (``kernels``)."""
+
+    kernels = "portable"
+
     def make_backend(self, **kt):
         from ktcore.config import as_kt_config
 
-        return AMXBF16Backend(as_kt_config({"kt_backend": "amx_bf16", **self.kt_config, **kt}), kernels="portable")
+        return AMXBF16Backend(as_kt_config({"kt_backend": "amx_bf16", **self.kt_config, **kt}), kernels=self.kernels)
 
 
 @needs_amx
@@ -49,28 +53,7 @@ class TestAMXBF16ContractTwoPools(TestAMXBF16Contract):
     kt_config = {"kt_tp_enabled": True, "kt_threadpool_count": 2, "kt_num_threads": 2}
 
 
-class _AVX512Mixin:
-    def make_backend(self, **kt):
-        from ktcore.config import as_kt_config
-
-        return AMXBF16Backend(as_kt_config({"kt_backend": "amx_bf16", **self.kt_config, **kt}), kernels="avx512")
-
-
-@needs_avx512
-class TestAVX512Contract(_AVX512Mixin, ExpertBackendContract):
-    backend_name = "amx_bf16"
-    weight_dtype = torch.bfloat16
-    rtol_out = 1e-2
-    rtol_grad = 2e-2
-
-
-@needs_avx512
-class TestAVX512ContractTwoPools(TestAVX512Contract):
-    input_dtype = torch.bfloat16
-    kt_config = {"kt_tp_enabled": True, "kt_threadpool_count": 2, "kt_num_threads": 2}
-
-
-class TestPortableContract(_PortableMixin, ExpertBackendContract):
+class TestPortableContract(_KernelsMixin, ExpertBackendContract):
     backend_name = "amx_bf16"
     weight_dtype = torch.bfloat16
     # worst measured (portable kernels, both classes): 3.2e-3 / 5.6e-3, activations rounded to bf16 by the kernels
@@ -81,6 +64,16 @@ class TestPortableContract(_PortableMixin, ExpertBackendContract):
 class TestPortableContractTwoPools(TestPortableContract):
     input_dtype = torch.bfloat16
     kt_config = {"kt_tp_enabled": True, "kt_threadpool_count": 2, "kt_num_threads": 2}
+
+
+@needs_avx512
+class TestAVX512Contract(TestPortableContract):  # the same bounds: the kernels round the same activations to bf16
+    kernels = "avx512"
+
+
+@needs_avx512
+class TestAVX512ContractTwoPools(TestPortableContractTwoPools):
+    kernels = "avx512"
 
 
 # -- extra shapes: many tokens per expert (tile path with row remainders), odd H/I, K=1, T=1 -----------------
