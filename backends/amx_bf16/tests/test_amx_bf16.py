@@ -324,3 +324,17 @@ def test_read_seconds_reads_at_least_100_mb_s():
 def test_amx_kernels_refused_without_amx():
     with pytest.raises(RuntimeError, match="cannot run its amx kernels here"):
         _backend("amx")
+
+
+def test_doctor_report_says_which_kernels():
+    """Where AMX cannot run: no peak, the reason, and avx512 where the CPU has AVX-512 BF16 (what auto runs)."""
+    from ktcore_amx_bf16.doctor import report
+
+    got = report(0.05)
+    if AMX_REASON:
+        assert got["amx_bf16_peak_gflops"] is None and got["amx_bf16_peak_source"]
+        assert got["amx_bf16_kernels"] == (None if AVX512_REASON else "avx512")
+        if not AVX512_REASON:
+            assert _backend("auto").kernels == "avx512"
+    else:
+        assert got["amx_bf16_peak_gflops"] > 100 and got["amx_bf16_kernels"] == "amx"
