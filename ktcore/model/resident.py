@@ -30,8 +30,8 @@ own formats (amx_bf16's tiles, int8 codes, GGUF blocks) that no kernel here read
 of its experts in the model's dtype (pinned with a GPU), counted in ``host_bytes``: host RAM holds the experts
 twice, as ``auto`` placement's does. With int8 experts that copy is of their int8 codes and scales, dequantised
 on the device at each refresh: the resident experts compute with the weights the backend does, from half the
-bytes. Re-reading them from the checkpoint instead is not done: the checkpoint is
-closed after loading (an ephemeral store deleted), and a refresh would read the disk in the training loop.
+bytes. Re-reading them from the checkpoint instead is not done: the checkpoint is closed after loading (an
+ephemeral store deleted), and a refresh would read the disk in the training loop.
 """
 
 from __future__ import annotations
