@@ -30,11 +30,12 @@ def tiny_qwen3_moe(seed=0, **overrides):
     return model
 
 
-def backend_unusable(name):
-    """Why expert backend ``name`` cannot train here (None when it can): for skip reasons."""
+def backend_unusable(name, weight_format="auto"):
+    """Why expert backend ``name`` cannot train ``weight_format`` experts here (None when it can): for skip
+    reasons."""
     from ktcore.plugins.select import resolve_backend
 
-    reasons = resolve_backend("auto", need_backward=True, need_lora=True).reasons
+    reasons = resolve_backend("auto", weight_format=weight_format, need_backward=True, need_lora=True).reasons
     if name not in reasons:
         return f"backend {name!r} is not installed"
     why = reasons[name]

@@ -199,10 +199,9 @@ def test_bench_lora_is_on_every_dense_and_shared_mlp_linear(experts):
 
 def test_experts_are_labelled_in_the_format_the_backend_computes(tmp_path):
     """The bf16 model on amx_int8 (which quantises it as it loads) is labelled int8; on torch, bf16."""
-    try:
-        ktcore.get_backend("amx_int8", {"kt_backend": "amx_int8", "kt_expert_weight_format": "int8"})
-    except Exception as exc:  # noqa: BLE001 - not installed, or no AVX-512 VNNI here
-        pytest.skip(f"amx_int8 is not usable here: {exc}")
+    from test_stream import int8_usable_or_skip
+
+    int8_usable_or_skip()
     for backend, label in (("amx_int8", "int8"), ("torch", "bf16")):
         rows = bench("--backend", backend, "--tokens", "16", "--kernel-seconds", "0.01", "--workdir", str(tmp_path))
         assert rows and all(r["error"] is None and r["backend"] == backend and r["expert_format"] == label

@@ -431,11 +431,10 @@ def test_convert_arguments_are_one_line_errors(bf16_model, tmp_path, args, fragm
 def test_amx_int8_computes_an_int8_store_as_it_quantises_the_checkpoint(tmp_path):
     """The int8 backend takes a store's codes as they are (``read_int8`` through ``pack_source``): the model
     loaded from the store gives the logits of the model it quantises itself."""
+    from test_stream import int8_usable_or_skip
+
+    int8_usable_or_skip()
     kt = {"kt_backend": "amx_int8", "kt_expert_weight_format": "int8"}
-    try:
-        ktcore.get_backend("amx_int8", kt)
-    except Exception as exc:  # not installed, or no AVX-512 VNNI here
-        pytest.skip(f"amx_int8 is not usable here: {exc}")
     tiny_model("qwen3_moe", odd=True, seed=14).to(torch.bfloat16).save_pretrained(tmp_path / "model")
     convert_model(tmp_path / "model", tmp_path / "int8", "int8", threadpools=2, progress=False)
     direct = ktcore.load_model(tmp_path / "model", kt, device="cpu", dtype=torch.float32, progress=False)

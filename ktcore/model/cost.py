@@ -49,7 +49,6 @@ FORMAT_BYTES = {"fp32": 4.0, "f32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0, "
                 "q4_0": 18 / 32, "q4_1": 20 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256}
 GPU_WEIGHT_BYTES = 2.0  # bf16: what the GPU's grouped kernel computes with, and what is streamed to it
 
-
 # fitted constants (see the module docstring)
 ACTIVATION_BYTES_PER_HIDDEN = 53  # GPU: saved activations per token and decoder layer, in units of hidden size
 CHECKPOINTED_BYTES_PER_HIDDEN = 4  # the same with whole decoder layers checkpointed (each layer's input)
