@@ -151,7 +151,7 @@ def main():
         from ktcore_amx_bf16.backend import AMXBF16Backend
 
         amx = AMXBF16Backend(KTConfig(kt_num_threads=args.threads))
-        dq = backend.dequantize(packed)
+        dq = backend.unpack(packed)
         amx_packed = amx.pack(ExpertWeights(dq.gate.bfloat16(), dq.up.bfloat16(), dq.down.bfloat16()))
         t_amx = timed(lambda: amx.forward(amx_packed, x.bfloat16(), ids, w), args.prefill_iters)
         print(f"T={x.shape[0]} amx_bf16 on bf16 weights: {1e3 * t_amx:.1f} ms (llamafile {fmt} / amx_bf16 = "

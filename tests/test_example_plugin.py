@@ -88,3 +88,17 @@ def test_example_rejects_what_it_does_not_implement():
 def test_package_test_file_declares_the_contract():
     text = (PACKAGE / "tests" / "test_example_backend.py").read_text(encoding="utf-8")
     assert "class TestExampleBackend(ExpertBackendContract):" in text and 'backend_name = "example"' in text
+
+
+def test_resident_experts_need_a_backend_that_unpacks(tmp_path):
+    """kt_num_gpu_experts with the example backend, which has no ``unpack``: one line naming the layer, the backend
+    and the fix, before a weight is read (the model is saved, then loaded through the real loading path)."""
+    from ktcore_tiny import tiny_qwen3_moe
+
+    from ktcore.errors import ConfigError
+
+    tiny_qwen3_moe().save_pretrained(tmp_path / "model")
+    with pytest.raises(ConfigError, match=r"mlp\.experts: kt_num_gpu_experts needs a backend that unpacks its "
+                                          r"experts .* and example does not; set kt_num_gpu_experts: 0"):
+        ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "example", "kt_num_gpu_experts": 2}},
+                          device="cpu", progress=False)

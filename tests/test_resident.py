@@ -10,13 +10,14 @@ import types
 import pytest
 import torch
 from archs import MOE_LAYERS, tiny_model
-from ktcore_tiny import tiny_qwen3_moe
+from ktcore_tiny import backend_unusable, tiny_qwen3_moe
 from peft import get_peft_model
 from test_equivalence import (assert_as_close_as_plain_bf16, assert_same_training_signal, batch, lora_config,
                               lora_grads, peft_pair, tiny_model_of)
 
 import ktcore
 from ktcore.errors import ConfigError
+from ktcore.experts import ExpertWeights
 from ktcore.model import resident as resident_module
 from ktcore.model.checkpointing import checkpoint_non_experts
 from ktcore.model.placeholder import is_placeholder
@@ -61,24 +62,23 @@ def pair(n=2, interval=1, checkpointing=False):
     return a, b, ours, hot
 
 
+def torch_layer(host):
+    """A layer of the torch backend packing the experts ``host`` holds (``stream.host_layout``'s (gate_up, down))."""
+    backend = ktcore.get_backend("torch", {"kt_backend": "torch"})
+    packed = backend.pack(ExpertWeights.from_fused(host[0][0], host[1][0]))
+    return types.SimpleNamespace(backend=backend, packed=packed)
+
+
 def sets(model):
     return [r.current.ids for r in model.ktcore.resident.values()]
 
 
-@pytest.mark.parametrize("source", ["backend", "copy"])
-def test_matches_cpu_placement_across_refreshes(source, monkeypatch):
+def test_matches_cpu_placement_across_refreshes():
     """Loss, logits and every LoRA gradient equal cpu placement's at every step while the resident set moves:
     first experts 0, 1; after a call routed mostly to expert 5, 5 is resident; after one routed to 3, 3 is.
     A remap that computed a resident expert's slot on both sides (or neither), stale rows after a refresh, or
-    LoRA factors gathered without gradient would each fail. ``copy``: the host copy a backend whose packed
-    experts are not HF's layout needs (forced here on the torch backend)."""
-    if source == "copy":
-        real = resident_module.host_experts
-        monkeypatch.setattr(resident_module, "host_experts",
-                            lambda layer, *a, **k: real(types.SimpleNamespace(packed=None), *a, **k))
+    LoRA factors gathered without gradient would each fail."""
     a, b, ours, hot = pair()
-    copies = [r.host_bytes for r in ours.ktcore.resident.values()]
-    assert all(copies) if source == "copy" else not any(copies)
     assert sets(ours) == [(0, 1), (0, 1)]
     for step, (expert, seed) in enumerate([(5, 1), (5, 2), (3, 3), (3, 4)]):
         hot[0] = expert
@@ -144,7 +144,7 @@ def test_counts_persist_across_calls_and_decay_at_each_choice():
     """Counts add up over the interval's calls (not just the last call's), are halved when a choice is taken,
     and the set changes only at the call after the interval ends."""
     host = ((torch.randn(4, 6, 3),), (torch.randn(4, 3, 3),))  # gate_up, down: (weight,) each
-    r = ResidentExperts("layer", host, 1, 3, "cpu", torch.float32, own_copy=True)
+    r = ResidentExperts("layer", torch_layer(host), 4, 1, 3, "cpu", torch.float32)
     # 20 tokens a call: a shift of the routing beyond top_experts' noise margin
     calls = [torch.tensor([[2, 1]] * 20), torch.tensor([[2, 3], [3, 1]] * 20), torch.tensor([[3, 0]] * 20)]
     for i, ids in enumerate(calls):
@@ -224,26 +224,25 @@ def test_a_stream_rule_may_opt_out():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
-@pytest.mark.parametrize("source", ["backend", "copy"])
-def test_resident_on_cuda_bf16(tmp_path, family, source, monkeypatch):
+@pytest.mark.parametrize("backend", ["torch", "amx_bf16"])
+def test_resident_on_cuda_bf16(tmp_path, family, backend):
     """Resident experts on CUDA in bf16 (pinned gathers, counts on the device, the CPU share running at the same
     time), re-chosen at every call: as close to the fp32 truth as plain transformers in bf16 (loss and every LoRA
     gradient) at each of three steps while routing skewed to expert 5, then 3, moves the sets there (the counts'
-    copy to the host is read once its event has completed: a whole step later, so the choice is not skipped)."""
-    if source == "copy":
-        real = resident_module.host_experts
-        monkeypatch.setattr(resident_module, "host_experts",
-                            lambda layer, *a, **k: real(types.SimpleNamespace(packed=None), *a, **k))
+    copy to the host is read once its event has completed: a whole step later, so the choice is not skipped).
+    amx_bf16: the resident experts unpacked from its tiles."""
+    why = backend_unusable(backend)
+    if why:
+        pytest.skip(why)
     plain = tiny_model_of(family)
     plain.save_pretrained(tmp_path / "model")
     truth = copy.deepcopy(plain).to("cuda")
     plain_bf16 = copy.deepcopy(plain).to("cuda", torch.bfloat16)
-    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": "torch", "kt_num_gpu_experts": 2,
+    ours = ktcore.load_model(tmp_path / "model", {"kt_config": {"kt_backend": backend, "kt_num_gpu_experts": 2,
                                                                 "kt_gpu_experts_interval": 1}},
                              device="cuda", dtype=torch.bfloat16, progress=False)
     resident = list(ours.ktcore.resident.values())
     assert resident and all(r.current.weights[0].is_cuda and r.counts.is_cuda for r in resident)
-    assert all(t.is_pinned() for r in resident for t in r.host) == (source == "copy")
     hot = [5]
     for model in (truth, plain_bf16, ours):
         skew(model, hot, family)
@@ -281,7 +280,7 @@ def test_counting_and_choosing_never_synchronise_on_cuda():
     """The counts stay on the device and reach the host by a copy nobody waits for; a choice copies the new set
     from pinned memory: torch's sync debug mode raises on any synchronising call among them."""
     host = ((torch.randn(8, 6, 4, dtype=torch.bfloat16),), (torch.randn(8, 4, 3, dtype=torch.bfloat16),))
-    r = ResidentExperts("layer", host, 2, 1, "cuda", torch.bfloat16, own_copy=False)
+    r = ResidentExperts("layer", torch_layer(host), 8, 2, 1, "cuda", torch.bfloat16)
     calls = [torch.tensor([[7, 6]] * 64, device="cuda"), torch.tensor([[5, 4]] * 64, device="cuda")]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -300,9 +299,9 @@ def test_counting_and_choosing_never_synchronise_on_cuda():
 
 def test_gguf_blocks_on_llamafile_with_resident_experts(tmp_path):
     """A GGUF whose Q8_0 expert blocks the llamafile backend packs as they are (``pack_source``): the resident
-    experts come from the file's dequantised blocks, a host copy of their own; the model stays as close to the
-    fp32 truth on those dequantised weights as the cpu placement on llamafile is (its activations are quantised
-    to 16 bits, the resident share's are not) while the sets move."""
+    experts are those blocks dequantised (llamafile's ``unpack``); the model stays as close to the fp32 truth on
+    those dequantised weights as the cpu placement on llamafile is (its activations are quantised to 16 bits, the
+    resident share's are not) while the sets move."""
     from peft import get_peft_model as peft_of
     from test_gguf_train import skip_unless_ready, tiny_gguf
 
@@ -313,7 +312,7 @@ def test_gguf_blocks_on_llamafile_with_resident_experts(tmp_path):
     ours = ktcore.load_model(path, {"kt_config": {**kt, "kt_num_gpu_experts": 2, "kt_gpu_experts_interval": 1}},
                              device="cpu", progress=False)
     resident = list(ours.ktcore.resident.values())
-    assert len(resident) == 2 and all(r.host_bytes > 0 for r in resident)  # the blocks are no HF layout
+    assert len(resident) == 2
     torch.manual_seed(7)
     truth = peft_of(truth, lora_config())
     on_cpu, ours = peft_pair(on_cpu, ours)
@@ -352,27 +351,30 @@ def test_host_expert_lora_leaves_resident_layers_with_the_model():
     assert on_host[first] == {True} and others and all(on_host[i] == {False} for i in others)
 
 
-def test_int8_experts_are_resident_as_their_codes():
-    """With int8 experts (amx_int8) the layer's host copy is of their int8 codes and scales (a quarter of fp32's
-    bytes here, half of bf16's), and the resident experts are exactly the weights those codes stand for (what the
-    backend computes with), not the checkpoint's: a refresh gathers codes and scales and dequantises them."""
+def test_int8_experts_are_resident_as_their_codes(monkeypatch):
+    """With int8 experts (amx_int8) a refresh unpacks the chosen experts' int8 codes and scales from the backend's
+    own packed experts (no copy of the layer's experts is kept beside them), and the resident experts are exactly
+    the weights those codes stand for (what the backend computes with), not the checkpoint's."""
     from test_stream import int8_usable_or_skip, with_int8_experts
 
     int8_usable_or_skip()
     plain = tiny_qwen3_moe()
     ours = with_resident(copy.deepcopy(plain), kt_backend="amx_int8")
     truth = with_int8_experts(plain)
+    unpacked = []
+    backend = next(iter(ours.ktcore.layers.values())).backend
+    real = type(backend).unpack
+    monkeypatch.setattr(type(backend), "unpack", lambda self, *a: unpacked.append(real(self, *a)) or unpacked[-1])
     skew(ours, [5])
     ours(batch()[0])  # counts expert 5's slots; the next call takes it
     ours(batch()[0])
     residents = list(ours.ktcore.resident.values())
+    assert unpacked and all(codes.dtype == torch.int8 and scales.dtype == torch.float32
+                            for experts in unpacked for codes, scales in (experts.gate, experts.up, experts.down))
     for i, r in zip(MOE_LAYERS["qwen3_moe"], residents):
-        (codes, scales), (down_codes, _) = r.host
-        assert codes.dtype == down_codes.dtype == torch.int8 and scales.dtype == torch.float32
-        experts = plain.model.layers[i].mlp.experts
-        assert r.host_bytes < 0.3 * (experts.gate_up_proj.numel() + experts.down_proj.numel()) * 4
         ids = list(r.current.ids)
         assert 5 in ids and r.refreshes >= 1
         want = truth.model.layers[i].mlp.experts
         assert torch.equal(r.current.weights[0], want.gate_up_proj.detach()[ids])
         assert torch.equal(r.current.weights[1], want.down_proj.detach()[ids])
+

@@ -476,9 +476,8 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
               "torch_threads": torch.get_num_threads(),
               # host memory of the packed routed experts (for a GGUF: the file's blocks, mapped)
               "expert_gib": base.ktcore.packed_bytes / GIB,
-              # kt_num_gpu_experts: per layer; their device buffers and the host copy they are refreshed from
-              "gpu_experts": gpu_experts, "gpu_experts_gib": sum(r.device_bytes for r in resident) / GIB,
-              "gpu_experts_host_gib": sum(r.host_bytes for r in resident) / GIB}
+              # kt_num_gpu_experts: per layer; their device buffers
+              "gpu_experts": gpu_experts, "gpu_experts_gib": sum(r.device_bytes for r in resident) / GIB}
     # without expert LoRA its device makes no difference: timed once, by the model-device run when there is one
     lora_off = settings.expert_lora_off and (lora_device == "model" or "model" not in settings.expert_lora_devices) \
         and gpu_experts == min(settings.num_gpu_experts)
@@ -501,7 +500,9 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                 model.train()
                 _reset_peaks(device)
                 copied = stream.copied_bytes if stream else 0
-                copied_resident, refreshes = (sum(r.copied_bytes for r in resident), sum(r.refreshes for r in resident))
+                copied_resident, refreshes, refresh_s = (sum(r.copied_bytes for r in resident),
+                                                         sum(r.refreshes for r in resident),
+                                                         sum(r.refresh_s for r in resident))
                 auto = base.ktcore.auto
                 if auto:
                     auto.try_again()  # expert LoRA on or off changes the step: each run keeps its own choice
@@ -517,6 +518,8 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                     split["h2d_gb"] = ((sum(r.copied_bytes for r in resident) - copied_resident)
                                        / timed["steps_run"] / 1e9)
                     split["gpu_experts_refreshes"] = sum(r.refreshes for r in resident) - refreshes
+                    split["gpu_experts_refresh_s"] = ((sum(r.refresh_s for r in resident) - refresh_s)
+                                                      / timed["steps_run"])
                 if not expert_lora:
                     step_off = step_s
                 elif step_off is not None:
@@ -713,8 +716,8 @@ COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), (
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
            ("peak_host_gib", "peak host GiB"), ("expert_gib", "expert GiB"), ("host_lora_gib", "host LoRA GiB"),
-           ("gpu_experts_gib", "gpu experts GiB"), ("gpu_experts_host_gib", "their host copy GiB"),
-           ("gpu_experts_refreshes", "refreshes"),
+           ("gpu_experts_gib", "gpu experts GiB"), ("gpu_experts_refreshes", "refreshes"),
+           ("gpu_experts_refresh_s", "refresh s/step"),
            ("resident_gib", "resident GiB"),
            ("activations_gib", "activations GiB"), ("layers_peak_gib", "layers peak"), ("loss_peak_gib", "loss peak"),
            ("backward_peak_gib", "backward peak"), ("peak_phase", "peak in"), ("loss_first", "loss first"),

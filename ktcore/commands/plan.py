@@ -59,9 +59,7 @@ def run(cfg, rates: Rates, tokens: list[int], gpu_mem: Optional[float] = None, h
                           recompute=kt.kt_cpu_activation == "recompute", cache_depth=kt.kt_max_cache_depth,
                           ring=kt.kt_stream_ring, stream_recompute=kt.kt_stream_activation == "recompute",
                           gradient_checkpointing=cfg.gradient_checkpointing,
-                          gpu_experts=kt.kt_num_gpu_experts, gpu_experts_interval=kt.kt_gpu_experts_interval,
-                          # the torch backend's packed experts are HF's layout: the resident ones come from them
-                          resident_host_copy=kt.kt_backend != "torch")
+                          gpu_experts=kt.kt_num_gpu_experts, gpu_experts_interval=kt.kt_gpu_experts_interval)
         result = plan(shape, setting, rates)
         steps.append({"tokens": t, "auto": result["auto"],
                       "auto_choice": result["costs"]["auto"].choice if "auto" in result["costs"] else result["auto"],

@@ -128,6 +128,12 @@ class ExpertBackend(Protocol):
                  ) -> tuple[torch.Tensor, torch.Tensor, ExpertLoRAGrads]:
         """grad_x [T, H], grad_topk_weights [T, K] and the LoRA gradients."""
 
+    def unpack(self, packed, ids: Optional[torch.Tensor] = None) -> Any:
+        """The experts ``ids`` (long, any order; all without) of ``packed`` as this backend computes with them, in
+        host memory in HF's layout: ``ExpertWeights`` (gate/up ``[n, I, H]``, down ``[n, H, I]``, any float
+        dtype), or ``ktcore.experts.int8.Int8Experts`` for int8 codes. ``kt_num_gpu_experts`` copies the experts
+        it keeps resident on the GPU from this, so host memory holds them once. Optional (``can_unpack``)."""
+
     def submit_forward(self, packed, x, topk_ids, topk_weights, lora=None, save=False) -> Future: ...
 
     def submit_backward(self, packed, ctx, grad_y, lora=None) -> Future: ...
@@ -160,6 +166,9 @@ class ExpertBackendBase:
     def pack_source(self, source, activation: str = "silu") -> Any:
         return None
 
+    def unpack(self, packed, ids: Optional[torch.Tensor] = None) -> Any:
+        raise NotImplementedError(f"the {self.name} backend does not unpack its experts")
+
     def submit_forward(self, packed, x, topk_ids, topk_weights, lora=None, save=False) -> Future:
         return self._pool().submit(self.forward, packed, x, topk_ids, topk_weights, lora, save)
 
@@ -171,6 +180,13 @@ class ExpertBackendBase:
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def can_unpack(backend) -> bool:
+    """Whether ``backend`` (an instance or its class) implements ``ExpertBackend.unpack`` (the base class's
+    raises)."""
+    method = getattr(backend if isinstance(backend, type) else type(backend), "unpack", None)
+    return method is not None and method is not ExpertBackendBase.unpack
 
 
 class ActivationBudget:

@@ -103,3 +103,20 @@ def check_lora_as_saved(ctx, lora_gu, lora_dn) -> None:
     """A backward gets the expert LoRA (or none) that its forward ran with and saved ``A x`` / ``A h`` of."""
     if (lora_gu is None) != (ctx.ax is None) or (lora_dn is None) != (ctx.ah is None):
         raise ValueError("backward's expert LoRA must be the one its forward ran with")
+
+
+def unpack_tiles(blocks: torch.Tensor, ids: torch.Tensor, rows: int, cols: int, dtype: torch.dtype,
+                 row_multiple: int) -> torch.Tensor:
+    """Experts ``ids`` of one projection packed in tile blocks back to ``[len(ids), rows, cols]`` of ``dtype`` (a view
+    of the padded result). The layout of amx_bf16 and amx_int8: blocks of 16 output rows x 64 bytes of inputs (32
+    bf16 or 64 int8), block-major per expert, rows zero-padded to ``row_multiple`` and inputs to whole blocks; inside
+    a block the 4 bytes of inputs 4j..4j+3 (bytes, whatever the dtype) of row r sit at word ``j * 16 + r``: a 16 x 16
+    transpose of 32-bit words, done as one strided copy of words per expert."""
+    group = 4 // torch.empty(0, dtype=dtype).element_size()  # inputs per 32-bit word
+    row_blocks, col_blocks = -(-rows // row_multiple) * row_multiple // 16, -(-cols // (16 * group))
+    words = blocks.view(torch.int32).view(-1, row_blocks, col_blocks, 16, 16)
+    out = torch.empty(len(ids), row_blocks * 16, col_blocks * 16, dtype=torch.int32)
+    grid = out.view(len(ids), row_blocks, 16, col_blocks, 16)
+    for i, e in enumerate(ids.tolist()):
+        grid[i].copy_(words[e].permute(0, 3, 1, 2))
+    return out.view(dtype)[:, :rows, :cols]

@@ -117,7 +117,6 @@ class Setting:
     gradient_checkpointing: bool = False
     gpu_experts: int = 0  # kt_num_gpu_experts: experts per layer resident on the GPU beside the cpu placement
     gpu_experts_interval: int = 8  # kt_gpu_experts_interval: forward calls between two choices of them
-    resident_host_copy: bool = True  # the resident experts come from a host copy (not the backend's own)
 
 
 def streamed_weight_bytes(s: Setting) -> float:
@@ -299,9 +298,8 @@ def resident_cost(shape: ModelShape, s: Setting, rates: Rates) -> StepCost:
     """``cpu`` with ``s.gpu_experts`` (N) experts of each layer resident on the GPU: the GPU computes their
     token-slots while the CPU computes the rest. At the uniform routing the model assumes they get N/E of the
     slots (the most used experts get more: a lower bound of their share). GPU memory: their weights once per layer
-    plus one layer's LoRA-added copy; host: every expert packed, and a copy of them all to refresh from (bf16, or
-    int8 codes with int8 experts) unless the backend's packed experts are that (``resident_host_copy``); copies: N
-    experts per layer at each choice (every ``gpu_experts_interval`` steps at most)."""
+    plus one layer's LoRA-added copy; host: every expert packed once (a choice unpacks the resident ones from the
+    backend's); copies: N experts per layer at each choice (every ``gpu_experts_interval`` steps at most)."""
     n, layers = s.gpu_experts, shape.moe_layers
     share = n / shape.experts
     dense = gpu_dense_s(shape, s, rates)
@@ -310,7 +308,7 @@ def resident_cost(shape: ModelShape, s: Setting, rates: Rates) -> StepCost:
     experts = layers * max(cpu, gpu)
     refresh_bytes = layers * n * shape.expert_params * streamed_weight_bytes(s) / s.gpu_experts_interval
     return _cost("cpu_resident", shape, s, rates, dense + experts, experts, 1 - share, 0, share, refresh_bytes,
-                 packed_share=1.0, pinned_share=1.0 if s.resident_host_copy else 0.0,
+                 packed_share=1.0, pinned_share=0.0,
                  choice=f"cpu, {n}/{shape.experts} experts resident", held_once=(layers + 1) * n)
 
 

@@ -16,37 +16,36 @@ Which experts. Each call adds its token-slots per expert to a float counter on t
 them (so the last interval weighs as much as all before it), and at its next call, once that copy has landed
 (it has: a whole step ran since), takes the N experts with the most slots, where an expert displaces a resident
 one only with significantly more slots (``top_experts``), and, when they differ, copies their weights into a new
-device buffer. A new buffer, not the old one
-overwritten: the old set stays intact for a backward that still needs it. The interval counts forward calls
-(micro-batches), not optimizer steps: a layer sees its calls, and neither the frontend's step nor gradient
-accumulation change what is resident-worthy. At the default of 8 a refresh copies at most N experts per layer
-every 8 calls (Qwen3-30B-A3B, N = 16: 150 MB, ~3 ms at 55 GB/s, against a step of seconds), and 8 calls' routing
-of thousands of tokens is a steady count. A checkpointed layer recomputed in backward takes the set its forward
-used (kept on the recomputation's tape, ``experts.replay``); recomputed calls are not counted again.
+device buffer. A new buffer, not the old one overwritten: the old set stays intact for a backward that still
+needs it. The interval counts forward calls (micro-batches), not optimizer steps: a layer sees its calls, and
+neither the frontend's step nor gradient accumulation change what is resident-worthy. At the default of 8 a
+refresh copies at most N experts per layer every 8 calls (Qwen3-30B-A3B, N = 16: 150 MB, unpacked in tens of ms
+and copied in ~3 ms at 55 GB/s, against a step of seconds), and 8 calls' routing of thousands of tokens is a
+steady count. A checkpointed layer recomputed in backward takes the set its forward used (kept on the
+recomputation's tape, ``experts.replay``); recomputed calls are not counted again.
 
-Where the resident weights come from. When the backend's packed experts are HF's layout in host memory (the
-torch backend), a refresh gathers the chosen experts from them: no second host copy. Other backends pack their
-own formats (amx_bf16's tiles, int8 codes, GGUF blocks) that no kernel here reads, so the layer keeps a host copy
-of its experts in the model's dtype (pinned with a GPU), counted in ``host_bytes``: host RAM holds the experts
-twice, as ``auto`` placement's does. With int8 experts that copy is of their int8 codes and scales, dequantised
-on the device at each refresh: the resident experts compute with the weights the backend does, from half the
-bytes. Re-reading them from the checkpoint instead is not done: the checkpoint is closed after loading (an
-ephemeral store deleted), and a refresh would read the disk in the training loop.
+Where the resident weights come from: the backend's own packed experts, through its ``unpack`` (the chosen
+experts in HF's layout as the backend computes with them: amx_bf16's bf16 tiles, amx_int8's codes and scales,
+llamafile's blocks dequantised, the torch backend's tensors), so host memory holds every expert once and an
+expert's weights do not change when it moves between the CPU and the GPU. int8 codes cross as codes (half the
+bytes) and are dequantised on the device. A refresh unpacks N experts per changed layer (one strided copy each,
+~memcpy speed on one thread; 2.2 GB/s on the development host) into pinned memory; a backend without ``unpack``
+cannot keep experts resident (``check_unpack``).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from ..errors import ConfigError
-from ..experts import ExpertWeights, replay
+from ..experts import can_unpack, replay
 from .hybrid import HybridPoint
 from .peft_expert_lora import expert_lora_of
-from .pinned import pinned
 from .stream import (GPU_EXPERTS_IMPLEMENTATION, _WeightsOf, _with_lora, host_layout, rebuilt_in_backward,
                      weight_of)
 
@@ -61,6 +60,15 @@ def check_count(n: int, experts: int, name: str) -> None:
     if n >= experts:
         raise ConfigError(f"{name}: kt_num_gpu_experts {n} needs fewer than the layer's {experts} experts; set it "
                           f"to 1..{experts - 1} (all {experts} on the GPU: kt_placement device: gpu)")
+
+
+def check_unpack(backend_class, backend: str, name: str) -> None:
+    """One line, before any weight is read, when the class of ``backend`` cannot hand its packed experts to the
+    device (None: no backend of that name runs here, which building it reports)."""
+    if backend_class is not None and not can_unpack(backend_class):
+        raise ConfigError(f"{name}: kt_num_gpu_experts needs a backend that unpacks its experts for the GPU "
+                          f"(ExpertBackend.unpack), and {backend} does not; set kt_num_gpu_experts: 0, or "
+                          "kt_backend: torch, amx_bf16, amx_int8 or llamafile")
 
 
 def top_experts(counts: Sequence[float], n: int, current: Sequence[int] = ()) -> tuple[int, ...]:
@@ -97,17 +105,17 @@ class ResidentExperts:
     def __deepcopy__(self, memo):
         return self  # a deep-copied model shares its ExpertLayers, and so their resident experts
 
-    def __init__(self, name: str, host: tuple, n: int, interval: int, device, dtype, own_copy: bool):
+    def __init__(self, name: str, layer, experts: int, n: int, interval: int, device, dtype):
         self.name, self.n, self.interval = name, n, interval
+        self.layer = layer  # the ExpertLayer whose backend packs all the experts: a refresh unpacks from it
+        self.experts = experts
         self.device, self.dtype = torch.device(device), dtype
-        self.host = host  # (gate_up, down) in host memory, as ``stream.host_layout`` keeps them
-        self.host_bytes = sum(t.numel() * t.element_size() for part in host for t in part) if own_copy else 0
-        self.experts = host[0][0].shape[0]
         self.counts = torch.zeros(self.experts, dtype=torch.float32, device=self.device)
         self.calls = 0  # counted calls since the last snapshot of the counts
         self.pending: Optional[tuple] = None  # (counts in host memory, the event their copy recorded)
         self.refreshes = 0  # choices that changed the set (the bench and the tests read it)
         self.copied_bytes = 0  # host-to-device bytes of resident experts so far (the bench reads it)
+        self.refresh_s = 0.0  # host seconds the refreshes took: unpacking, pinning, queuing the copies (the bench)
         self.current = self._build(tuple(range(n)))  # until the first choice: the first N
 
     @property
@@ -120,14 +128,11 @@ class ResidentExperts:
         slot_of[index] = torch.arange(self.n)
         cuda = self.device.type == "cuda"
         weights = []
-        for part in self.host:
-            rows = []
-            for t in part:
-                # gathered into pinned memory, so the copy to the device runs without holding up the host
-                rows.append(torch.empty((self.n, *t.shape[1:]), dtype=t.dtype, pin_memory=cuda))
-                torch.index_select(t, 0, index, out=rows[-1])
-            self.copied_bytes += sum(t.numel() * t.element_size() for t in rows) if cuda else 0
-            weights.append(weight_of(tuple(t.to(self.device, non_blocking=cuda) for t in rows), self.dtype)
+        for part in host_layout(self.layer.backend.unpack(self.layer.packed, index), self.dtype):
+            if cuda:  # pinned, so the copy to the device runs without holding up the host
+                part = tuple(t.pin_memory() for t in part)
+                self.copied_bytes += sum(t.numel() * t.element_size() for t in part)
+            weights.append(weight_of(tuple(t.to(self.device, non_blocking=cuda) for t in part), self.dtype)
                            .to(self.dtype))
         # the ids pinned too: a copy from pageable memory would wait for everything queued on the device
         small = [t.pin_memory() if cuda else t for t in (index, slot_of)]
@@ -142,7 +147,9 @@ class ResidentExperts:
                 self.pending = None
                 ids = top_experts(counts.tolist(), self.n, self.current.ids)
                 if ids != self.current.ids:
+                    start = time.perf_counter()
                     self.current = self._build(ids)
+                    self.refresh_s += time.perf_counter() - start
                     self.refreshes += 1
         return self.current
 
@@ -165,33 +172,13 @@ class ResidentExperts:
         self.pending = (snapshot, event)
 
 
-def host_experts(layer, weights, dtype, pin: bool) -> tuple[tuple, bool]:
-    """((gate_up, down) in host memory as ``stream.host_layout`` keeps them, whether that is a copy of its own): the
-    backend's packed experts when they are HF's layout (the torch backend's), else a copy in ``dtype``, or of the
-    int8 codes and scales when ``weights`` are ``Int8Experts`` (int8 experts: the weights the backend computes)."""
-    packed = layer.packed
-    gate_up, down = getattr(packed, "gate_up", None), getattr(packed, "down", None)
-    if isinstance(weights, ExpertWeights) and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
-        e, i, h = weights.gate.shape
-        if tuple(gate_up.shape) == (e, 2 * i, h) and tuple(down.shape) == (e, h, i) and \
-                gate_up.device.type == "cpu" and gate_up.is_floating_point():
-            return ((gate_up,), (down,)), False
-    host = host_layout(weights, dtype)
-    if pin:  # locked while the layer lives
-        host = tuple(tuple(pinned(t, layer) for t in part) for part in host)
-    return host, True
-
-
-def attach(module, layer, weights, n: int, interval: int, name: str, dtype, device) -> None:
-    """Make a cpu layer (``layer`` packs all its experts) keep ``n`` of them resident on ``device``; ``weights``:
-    its ``ExpertWeights``, or ``Int8Experts`` when the experts are int8 (``wrap.stream_share``'s)."""
+def attach(module, layer, n: int, interval: int, name: str, dtype, device) -> None:
+    """Make a cpu layer (``layer`` packs all its experts) keep ``n`` of them resident on ``device``."""
     if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
         raise ValueError(f"{name}: kt_num_gpu_experts with transposed or interleaved experts is not supported yet; "
                          "set kt_num_gpu_experts: 0 for this layer")
-    device = torch.device(device)
-    host, own = host_experts(layer, weights, dtype, pin=device.type == "cuda")
     layer.overlap = HybridPoint()  # the CPU share returns at once on a GPU, collected after the device's share
-    module.__dict__["_ktcore_resident"] = ResidentExperts(name, host, n, interval, device, dtype, own)
+    module.__dict__["_ktcore_resident"] = ResidentExperts(name, layer, module.num_experts, n, interval, device, dtype)
 
 
 def resident_forward(module, layer, resident: ResidentExperts, hidden_states, top_k_index, top_k_weights):

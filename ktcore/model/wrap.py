@@ -25,7 +25,7 @@ from .overlap import install_overlap
 from .peft_expert_lora import expert_lora_of
 from .placement import num_gpu_experts, parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
-from .resident import attach as attach_resident, check_count, resident_forward
+from .resident import attach as attach_resident, check_count, check_unpack, resident_forward
 from .stream import GPU_EXPERTS_IMPLEMENTATION, ExpertStream, host_layout, streamed_forward
 
 if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
@@ -155,7 +155,7 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
                          f"{type(model).__name__}")
     for _, name, module in modules:
         check_experts_module(module, name, arch)
-    check_resident(modules, kt)
+    check_resident(modules, kt, need_backward)
     if kt.kt_rates:  # read now: a bad file is one line before any weight
         from .cost import load_rates
 
@@ -164,14 +164,20 @@ def prepare(model, kt: KTConfig, need_backward: bool = True):
     return arch, backend, ActivationBudget(kt.kt_max_cache_depth), modules
 
 
-def check_resident(modules, kt: KTConfig) -> None:
-    """Every layer's kt_num_gpu_experts (or its rule's num_gpu_experts) is below its expert count (the
-    combinations are checked with the config); ``modules`` may be on the meta device."""
+def check_resident(modules, kt: KTConfig, need_backward: bool = True) -> None:
+    """Every layer's kt_num_gpu_experts (or its rule's num_gpu_experts) is below its expert count, and its backend
+    can unpack experts for the device (the combinations are checked with the config); ``modules`` may be on the
+    meta device."""
+    from ..plugins.select import backend_class
+
     rules = parse_rules(kt.kt_placement, "kt_config")
     for _, name, module in modules:
-        n = num_gpu_experts(place(name, rules, kt.kt_backend, kt.kt_expert_placement), kt.kt_num_gpu_experts)
+        rule = place(name, rules, kt.kt_backend, kt.kt_expert_placement)
+        n = num_gpu_experts(rule, kt.kt_num_gpu_experts)
         if n:
             check_count(n, getattr(module, "num_experts", 1), name)
+            cls = backend_class(rule.backend, kt, need_backward=need_backward, need_lora=need_backward)
+            check_unpack(cls, rule.backend, name)
 
 
 @dataclass(frozen=True)
@@ -305,8 +311,7 @@ def install_cpu(model, name: str, module, weights: ExpertWeights, arch: ArchSpec
     layer = ExpertLayer(backend, backend.pack(weights, activation=act), budget, kt.kt_cpu_activation, name)
     install_layer(model, name, module, layer, arch, dtype, device)
     if resident:
-        attach_resident(module, layer, stream_share(weights, 0, streams_int8(kt)), resident.n,
-                        kt.kt_gpu_experts_interval, name, dtype, device)
+        attach_resident(module, layer, resident.n, kt.kt_gpu_experts_interval, name, dtype, device)
     return layer
 
 

@@ -81,6 +81,15 @@ def get_backend(name: str, kt, *, need_backward: bool = False, need_lora: bool =
     return backend
 
 
+def backend_class(name: str, kt, *, need_backward: bool = False, need_lora: bool = False,
+                  registry: Optional[Registry] = None):
+    """The class ``get_backend`` would build with the same arguments, or None where no backend can run; nothing is
+    built."""
+    spec = resolve_backend(name, weight_format=kt.kt_expert_weight_format, need_backward=need_backward,
+                           need_lora=need_lora, registry=registry).spec
+    return None if spec is None else import_object(spec.factory)
+
+
 def experts_format(kt, registry: Optional[Registry] = None) -> str:
     """The weight format the routed experts are computed in: kt_expert_weight_format, or for ``auto`` the format of
     a lossy backend kt_backend names (amx_int8: int8), else ``auto`` (the backend's own, unquantised)."""

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ..experts import ActivationBudget, ExpertLayer, ExpertLoRA, ExpertWeights, activation_function
+from ..experts import ActivationBudget, ExpertLayer, ExpertLoRA, ExpertWeights, activation_function, can_unpack
+from ..experts.int8 import Int8Experts
 
 
 @dataclass(frozen=True)
@@ -253,3 +254,22 @@ class ExpertBackendContract:
         assert len(runs[0]) == 7
         for first, second in zip(*runs):
             torch.testing.assert_close(second, first, rtol=0, atol=0)
+
+    def test_unpack_gives_the_weights_it_computes_with(self):
+        """``unpack`` (where the backend has it: ``kt_num_gpu_experts`` copies resident experts from it) returns the
+        experts asked for, in that order, as the weights the packed format stands for (``oracle_weights``), bit for
+        bit. A transposed tile, padding taken for data, or another expert's rows or scales would each fail."""
+        backend = self.make_backend()
+        if not can_unpack(backend):
+            pytest.skip(f"{self.backend_name} has no unpack (kt_num_gpu_experts is refused with it)")
+        weights = self.problem(Case(5, 70, 40, 1, 1, label="padded"))[0]
+        want = self.oracle_weights(weights)
+        packed = backend.pack(weights, self.activation)
+        for ids in (torch.tensor([3, 0, 4]), None):
+            got = backend.unpack(packed, ids)
+            if isinstance(got, Int8Experts):
+                got = got.dequantize(torch.float32)
+            for name in ("gate", "up", "down"):
+                expected = getattr(want, name) if ids is None else getattr(want, name)[ids]
+                torch.testing.assert_close(getattr(got, name).float(), expected.float(), rtol=0, atol=0,
+                                           msg=lambda m: f"{name}, ids {ids}: {m}")

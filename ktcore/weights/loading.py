@@ -103,14 +103,11 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
     layers = {}
     for _, name, module in tqdm(modules, desc="experts -> backend", disable=not progress, unit="layer"):
         target = plan[name]
-        resident = target if isinstance(target, Resident) else None  # its experts also kept for the device
+        resident = target if isinstance(target, Resident) else None  # some of its experts also on the device
         target = resident.backend if resident else target
         # a backend that computes with the checkpoint's own blocks (llamafile on GGUF) takes them as they are
         packed = target.pack_source(sources[name], act) \
             if target not in (None, STREAM, HYBRID) and not isinstance(target, AutoWindow) else None
-        if packed is not None and resident:
-            codes = int8_codes(sources[name], int8)
-            expert_weights = sources[name].read(dtype) if codes is None else codes
         if packed is None:
             to_stream = target in (STREAM, HYBRID) or isinstance(target, AutoWindow)
             streamed = int8_codes(sources[name], int8) if to_stream else None
@@ -134,8 +131,7 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
             layers[name] = ExpertLayer(target, packed, budget, kt.kt_cpu_activation, name)
             install_layer(model, name, module, layers[name], arch, dtype, device)
             if resident:
-                attach_resident(module, layers[name], stream_share(expert_weights, 0, int8), resident.n,
-                                kt.kt_gpu_experts_interval, name, dtype, device)
+                attach_resident(module, layers[name], resident.n, kt.kt_gpu_experts_interval, name, dtype, device)
         expert_weights = None  # one layer's dense experts at a time
         if hasattr(sources[name], "done"):  # the layer is loaded: an ephemeral store deletes its files
             sources.pop(name).done()
@@ -148,7 +144,7 @@ def fill_model(model, kt: KTConfig, open_weights, *, path, dtype, device, need_b
 
 
 def int8_codes(source, int8: bool):
-    """With int8 experts, an int8 store's codes as they are (``read_int8``: for the stream or resident experts, not
+    """With int8 experts, an int8 store's codes as they are (``read_int8``: for the stream, not
     dequantised and quantised again); None for any other source, or dense experts."""
     return source.read_int8() if int8 and hasattr(source, "read_int8") else None
 

@@ -20,7 +20,7 @@ import torch
 
 from ktcore.experts import hugepages
 from ktcore.experts.native_call import (Route, Workspace, address, check_lora_as_saved, combine_parts,
-                                        engine_threads, route_rows, token_rows)
+                                        engine_threads, route_rows, token_rows, unpack_tiles)
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
@@ -157,6 +157,12 @@ class AMXBF16Backend(ExpertBackendBase):
 
         return AMXPacked(pack_one(weights.gate, i, h), pack_one(weights.up, i, h), pack_one(weights.down, h, i),
                          e, h, i, activation)
+
+    def unpack(self, packed: AMXPacked, ids: Optional[torch.Tensor] = None) -> ExpertWeights:
+        h, i = packed.hidden, packed.inter
+        ids = torch.arange(packed.num_experts) if ids is None else ids
+        return ExpertWeights(*(unpack_tiles(t, ids, n, k, torch.bfloat16, row_multiple=32)
+                               for t, n, k in ((packed.gate, i, h), (packed.up, i, h), (packed.down, h, i))))
 
     # -- routing -------------------------------------------------------------------------------------------
     def _gather(self, src: torch.Tensor, route: Route, hp: int) -> torch.Tensor:

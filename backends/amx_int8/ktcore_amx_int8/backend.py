@@ -20,7 +20,7 @@ import torch
 
 from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, hugepages
 from ktcore.experts.native_call import (Route, Workspace, address, check_lora_as_saved, combine_parts,
-                                        engine_threads, route_rows, token_rows)
+                                        engine_threads, route_rows, token_rows, unpack_tiles)
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 from ktcore.experts.int8 import LAYOUT, Int8Experts
@@ -189,18 +189,17 @@ class AMXInt8Backend(ExpertBackendBase):
                           gs.contiguous().clone(), us.contiguous().clone(), ds.contiguous().clone(), e, h, i,
                           activation)
 
-    def unpack(self, packed: Int8Packed) -> Int8Experts:
-        """The codes and scales ``packed`` holds, as ``Int8Experts`` (tests and tools; not on the compute path)."""
-        e, h, i = packed.num_experts, packed.hidden, packed.inter
+    def unpack(self, packed: Int8Packed, ids: Optional[torch.Tensor] = None) -> Int8Experts:
+        """The codes and scales of experts ``ids`` (all without) as ``Int8Experts``: what they compute with."""
+        h, i = packed.hidden, packed.inter
+        ids = torch.arange(packed.num_experts) if ids is None else ids
 
-        def codes(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
-            out = torch.empty(e, n, k, dtype=torch.int8)
-            self._engine.unpack_codes(buf.data_ptr(), e, n, k, out.data_ptr())
-            return out
+        def part(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple:
+            return (unpack_tiles(codes, ids, n, k, torch.int8, row_multiple=64),
+                    scales.index_select(0, ids))
 
-        return Int8Experts((codes(packed.gate, i, h), packed.gate_scales.clone()),
-                           (codes(packed.up, i, h), packed.up_scales.clone()),
-                           (codes(packed.down, h, i), packed.down_scales.clone()))
+        return Int8Experts(part(packed.gate, packed.gate_scales, i, h), part(packed.up, packed.up_scales, i, h),
+                           part(packed.down, packed.down_scales, h, i))
 
     # -- routing and row quantisation ----------------------------------------------------------------------
     def _quantize(self, name: str, route: Route, src: torch.Tensor, n: int, npad: int, by_token: bool,

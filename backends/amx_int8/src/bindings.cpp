@@ -59,7 +59,6 @@ PYBIND11_MODULE(_ext, m) {
       .def_property_readonly("kernels", &Engine::kernels)
       .def("quantize_weights", &Engine::quantize_weights, G())
       .def("pack_codes", &Engine::pack_codes, G())
-      .def("unpack_codes", &Engine::unpack_codes, G())
       .def("route", &Engine::route, G())
       .def("quantize_rows", &Engine::quantize_rows, G())
       .def("combine", &Engine::combine, G())

@@ -92,18 +92,6 @@ void Engine::pack_codes(uintptr_t codes_, int64_t E, int64_t N, int64_t K, uintp
   });
 }
 
-void Engine::unpack_codes(uintptr_t src_, int64_t E, int64_t N, int64_t K, uintptr_t codes_) {
-  const int64_t NB = rup(N, kBlockK) / 16, KB = rup(K, kBlockK) / kBlockK;
-  const int8_t* src = P<const int8_t>(src_);
-  int8_t* codes = P<int8_t>(codes_);
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t n = 0; n < N; ++n) {
-      const int8_t* stream = src + (e * NB + n / 16) * KB * kBlockBytes;
-      for (int64_t k = 0; k < K; ++k)
-        codes[(e * N + n) * K + k] = stream[k / kBlockK * kBlockBytes + block_offset(n, k)];
-    }
-}
-
 int64_t Engine::route(uintptr_t ids_, int64_t T, int64_t Kk, int64_t E, uintptr_t w_, uintptr_t off_, uintptr_t poff_,
                       uintptr_t row_tok_, uintptr_t row_of_, uintptr_t order_, uintptr_t w_row_) {
   const int64_t* ids = P<const int64_t>(ids_);

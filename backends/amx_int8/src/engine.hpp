@@ -31,9 +31,8 @@ class Engine {
   // scales [E, N]: int8-sym-channel-v1, the codes of ktcore.experts.int8.quantize to the bit.
   void quantize_weights(uintptr_t src, bool src_bf16, int64_t E, int64_t N, int64_t K, uintptr_t dst,
                         uintptr_t scales);
-  // codes int8 [E, N, K] contiguous -> dst (block layout); unpack is the inverse
+  // codes int8 [E, N, K] contiguous -> dst (block layout); the backend's unpack (Python) is the inverse
   void pack_codes(uintptr_t codes, int64_t E, int64_t N, int64_t K, uintptr_t dst);
-  void unpack_codes(uintptr_t src, int64_t E, int64_t N, int64_t K, uintptr_t codes);
 
   // Stable counting sort of the (token, slot) pairs by expert. ids int64 [T*K], w fp32 [T*K]. Outputs: offsets
   // [E+1] and padded offsets poff [E+1]; for each row r (expert-major, then slot order): row_tok[r] (token),

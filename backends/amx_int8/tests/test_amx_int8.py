@@ -60,6 +60,8 @@ class _BF16Budget(_Int8Contract):
     # T1; every other <= 1.8e-2)
     rtol_out = 3e-2
     rtol_grad = 5e-2
+    # its oracle is the unquantised weights, not what the codes stand for: _Dequantised checks unpack
+    test_unpack_gives_the_weights_it_computes_with = None
 
 
 class TestPortableDequantised(_Dequantised):

@@ -67,9 +67,6 @@ class Projection:
     def format(self) -> str:
         return B.NAMES[self.qtype]
 
-    def dequantize(self) -> torch.Tensor:
-        return B.dequantize_rows(self.blocks, self.qtype, self.k)
-
     def native(self) -> tuple:
         """(qtype, address, expert_stride, row_bytes, rows, kp): the projection as ``_ext.Layer`` takes it."""
         return self.qtype, self.blocks.data_ptr(), self.blocks.stride(0), self.row_bytes, self.n, self.kp
@@ -297,9 +294,10 @@ class LlamafileBackend(ExpertBackendBase):
         return self.pack_blocks(t["gate"].data, t["up"].data, t["down"].data, tuple(int(x) for x in types), hidden,
                                 inter, activation, source=file)
 
-    def dequantize(self, packed: LlamafilePacked) -> ExpertWeights:
-        """The dense weights the packed blocks stand for (tests and references)."""
-        return ExpertWeights(packed.gate.dequantize(), packed.up.dequantize(), packed.down.dequantize())
+    def unpack(self, packed: LlamafilePacked, ids: Optional[torch.Tensor] = None) -> ExpertWeights:
+        """Experts ``ids`` (all without) as the dense float32 weights their blocks stand for."""
+        return ExpertWeights(*(B.dequantize_rows(p.blocks if ids is None else p.blocks.index_select(0, ids),
+                                                 p.qtype, p.k) for p in (packed.gate, packed.up, packed.down)))
 
     # -- C++ calls -----------------------------------------------------------------------------------------
     def _route(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> _Route:

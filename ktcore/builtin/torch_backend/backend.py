@@ -86,6 +86,11 @@ class TorchExpertBackend(ExpertBackendBase):
         down = weights.down.to("cpu", dtype).contiguous()
         return TorchPacked(gate_up, down, activation)
 
+    def unpack(self, packed: TorchPacked, ids: Optional[torch.Tensor] = None) -> ExpertWeights:
+        gate_up, down = (t if ids is None else t.index_select(0, ids) for t in (packed.gate_up, packed.down))
+        inter = packed.down.shape[2]
+        return ExpertWeights(gate_up[:, :inter], gate_up[:, inter:], down)
+
     def forward(self, packed: TorchPacked, x, topk_ids, topk_weights, lora: Optional[ExpertLoRA] = None,
                 save: bool = False):
         dtype = packed.gate_up.dtype
