@@ -213,6 +213,19 @@ void Engine::lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int
   });
 }
 
+// Expert LoRA's gradients, a phase after the backward GEMM's (lora::grad_tasks over all pools).
+void Engine::lora_grads(const int64_t* off, int64_t E, const lora::Factor& grad, int rank, float scale, int64_t n,
+                        const float* u, const float* w, const void* v, bool v_bf16, int64_t ldv,
+                        const int32_t* rows) {
+  const std::vector<std::array<int64_t, 2>> tasks = lora::grad_tasks(off, E, n);
+  sched_.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
+    const auto [e, c0] = tasks[i];
+    const char* v0 = static_cast<const char*>(v) + c0 * lora::elem_bytes(v_bf16);
+    lora::grad_columns(K_->lora, grad, rank, scale, e, c0, std::min(lora::kGradColumns, n - c0), u, w, v0, v_bf16,
+                       ldv, rows, off[e], off[e + 1], sched_.lora_scratch(pool, tid));
+  });
+}
+
 // -- forward GEMMs -------------------------------------------------------------------------------------
 void Engine::gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_, uintptr_t up_, int64_t E,
                      int64_t H, int64_t I, uintptr_t h_, uintptr_t g_, uintptr_t u_, int64_t ldh,
@@ -346,19 +359,13 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
           std::memcpy(gh + (row0 + m0 + r) * I + p * 32, C + j * kCBlock + r * 32, ncol * 4);
       }
     }
-    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on its units'
-      // columns of I, dB on their share of H, each in one call (fewer, longer passes over the rows)
-      lora::Scratch& ls = sched_.lora_scratch(pool, tid);
-      const int64_t a0 = t.unit * 32, a1 = std::min(I, (t.unit + n) * 32);
-      const int64_t c0 = lora::share_begin(H, t.unit, units), c1 = lora::share_begin(H, t.unit + n, units);
-      lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, a0, a1 - a0, qd, w_row,
-                         P<const uint16_t>(h_) + a0, true, ldh, nullptr, off[t.e], off[t.e + 1], ls);
-      lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ah, w_row,
-                         P<const char>(gy) + c0 * lora::elem_bytes(gy_bf16), gy_bf16, gy_stride, tok, off[t.e],
-                         off[t.e + 1], ls);
-    }
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/true, task, 1, 0, kBwdTaskRows, kBwdGroup);
+  if (lora) {
+    lora_grads(off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row, P<const void>(h_), true, ldh, nullptr);
+    lora_grads(off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row, P<const void>(gy), gy_bf16, gy_stride,
+               tok);
+  }
 }
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, uintptr_t off_,
@@ -447,29 +454,13 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
           std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + j * kCBlock + r * 32, nc * 4);
       }
     }
-    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on the columns of
-      // H of its units that this pool owns, dB on their share of 2I, a run of adjacent units in one call
-      lora::Scratch& ls = sched_.lora_scratch(pool, tid);
-      for (int64_t j = 0; j < n;) {
-        if (lora_pool(t.unit + j) != pool) {
-          ++j;
-          continue;
-        }
-        int64_t j1 = j + 1;  // the run of adjacent units this pool owns (all of them where there is one pool)
-        while (j1 < n && lora_pool(t.unit + j1) == pool) ++j1;
-        const int64_t a0 = (t.unit + j) * 32, a1 = std::min(H, (t.unit + j1) * 32);
-        const int64_t c0 = lora::share_begin(2 * I, t.unit + j, units);
-        const int64_t c1 = lora::share_begin(2 * I, t.unit + j1, units);
-        lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, a0, a1 - a0, qg, nullptr,
-                           P<const char>(x) + a0 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
-                           off[t.e + 1], ls);
-        lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ax, nullptr,
-                           ggu_rows + c0, true, 2 * I, nullptr, off[t.e], off[t.e + 1], ls);
-        j = j1;
-      }
-    }
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/false, task, 1, d.Ip / 32, kBwdTaskRows, kBwdGroup);
+  if (lora) {
+    lora_grads(off, E, lora->grad_a, lora->rank, lora->scale, H, qg, nullptr, P<const void>(x), x_bf16, x_stride,
+               tok);
+    lora_grads(off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax, nullptr, ggu_rows, true, 2 * I, nullptr);
+  }
 }
 
 void Engine::memzero(uintptr_t p, int64_t nbytes) {

@@ -158,6 +158,19 @@ void Engine::lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int
   });
 }
 
+// Expert LoRA's gradients, a phase after the backward GEMM's (lora::grad_tasks over all pools).
+void Engine::lora_grads(const int64_t* off, int64_t E, const lora::Factor& grad, int rank, float scale, int64_t n,
+                        const float* u, const float* w, const void* v, bool v_bf16, int64_t ldv,
+                        const int32_t* rows) {
+  const std::vector<std::array<int64_t, 2>> tasks = lora::grad_tasks(off, E, n);
+  sched_.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
+    const auto [e, c0] = tasks[i];
+    const char* v0 = static_cast<const char*>(v) + c0 * lora::elem_bytes(v_bf16);
+    lora::grad_columns(K_->lora, grad, rank, scale, e, c0, std::min(lora::kGradColumns, n - c0), u, w, v0, v_bf16,
+                       ldv, rows, off[e], off[e + 1], sched_.lora_scratch(pool, tid));
+  });
+}
+
 // -- forward -------------------------------------------------------------------------------------------
 // Task: unit = 16 output channels of gate and of up; the pools split the units.
 void Engine::gate_up(uintptr_t xq_, int64_t lda, uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_,
@@ -268,17 +281,13 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
                           sched_.lora_scratch(pool, tid));
       for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + r) * I + p * 32, C + r * 32, ncol * 4);
     }
-    if (lora && t.r0 == off[t.e]) {  // the expert's gradients, from the task of its first rows: dA on these columns
-      lora::Scratch& ls = sched_.lora_scratch(pool, tid);  // of I, dB on this unit's share of H
-      const int64_t c0 = H * p / units, c1 = H * (p + 1) / units;
-      lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, p * 32, ncol, qd, w_row, h + p * 32,
-                         false, ldh, nullptr, off[t.e], off[t.e + 1], ls);
-      lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ah, w_row,
-                         P<const char>(gy) + c0 * lora::elem_bytes(gy_bf16), gy_bf16, gy_stride, tok, off[t.e],
-                         off[t.e + 1], ls);
-    }
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/true, 0, kBwdTaskRows, task);
+  if (lora) {
+    lora_grads(off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row, h, false, ldh, nullptr);
+    lora_grads(off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row, P<const void>(gy), gy_bf16, gy_stride,
+               tok);
+  }
 }
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uintptr_t u_, uintptr_t w_row_,
@@ -347,17 +356,13 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
                           sched_.lora_scratch(pool, tid));
       for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + r) * H + np * 32, C + r * 32, nc * 4);
     }
-    if (lora && t.r0 == off[t.e] && lora_pool(np) == pool) {  // the expert's gradients, from the task of its first
-      lora::Scratch& ls = sched_.lora_scratch(pool, tid);       // rows: dA on these columns of H, dB on a share of 2I
-      const int64_t c0 = 2 * I * np / units, c1 = 2 * I * (np + 1) / units;
-      lora::grad_columns(K_->lora, lora->grad_a, lora->rank, lora->scale, t.e, np * 32, nc, qg, nullptr,
-                         P<const char>(x) + np * 32 * lora::elem_bytes(x_bf16), x_bf16, x_stride, tok, off[t.e],
-                         off[t.e + 1], ls);
-      lora::grad_columns(K_->lora, lora->grad_b, lora->rank, lora->scale, t.e, c0, c1 - c0, ax, nullptr, ggu32 + c0,
-                         false, 2 * I, nullptr, off[t.e], off[t.e + 1], ls);
-    }
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/false, 2 * half, kBwdTaskRows, task);
+  if (lora) {
+    lora_grads(off, E, lora->grad_a, lora->rank, lora->scale, H, qg, nullptr, P<const void>(x), x_bf16, x_stride,
+               tok);
+    lora_grads(off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax, nullptr, ggu32, false, 2 * I, nullptr);
+  }
 }
 
 void Engine::memzero(uintptr_t p, int64_t nbytes) {

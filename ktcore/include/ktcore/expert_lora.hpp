@@ -70,6 +70,20 @@ inline std::vector<std::array<int64_t, 3>> rank_tasks(const int64_t* off, int64_
   return tasks;
 }
 
+// Columns of one task of a gradient phase (grad_tasks): each task passes once over its expert's rows, so wide tasks
+// (few passes over the rows), yet enough of them to spread over the threads (2048 columns: 8 per expert).
+constexpr int64_t kGradColumns = 256;
+
+// A gradient phase's tasks over n columns of every expert's factor: (expert, first column), kGradColumns each, for
+// the experts with rows (the others keep the zeros their gradients start from).
+inline std::vector<std::array<int64_t, 2>> grad_tasks(const int64_t* off, int64_t E, int64_t n) {
+  std::vector<std::array<int64_t, 2>> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] > off[e])
+      for (int64_t c = 0; c < n; c += kGradColumns) tasks.push_back({e, c});
+  return tasks;
+}
+
 // Where part p of `parts` near-equal shares of n columns starts (p = parts: n). Shares start at multiples of 16, so a
 // gradient's share runs whole vectors (a ragged end only at column n).
 inline int64_t share_begin(int64_t n, int64_t p, int64_t parts) { return p >= parts ? n : n * p / parts / 16 * 16; }
