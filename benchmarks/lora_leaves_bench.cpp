@@ -93,8 +93,6 @@ int main(int argc, char** argv) {
   std::vector<float> C(256 * 32);  // an output block's sums, 32 columns (the engine's C scratch)
   lora::Scratch s;
   const auto tasks = lora::rank_tasks(off.data(), E);
-  const int64_t units_i = (I + 31) / 32, units_h = (H + 31) / 32;
-  const int64_t kGroup = 4;  // units per backward task (the engine's kBwdGroup), whose gradients are one call
 
   auto prologue = [&](const lora::Factor& f, int64_t n, const void* src, bool src_bf16, int64_t lds,
                       const int32_t* rows, float* q) {
@@ -113,6 +111,14 @@ int main(int argc, char** argv) {
       }
   };
 
+  // the engines' gradient phase (lora::grad_tasks), its tasks in turn; v: bf16 rows
+  auto grads = [&](const lora::Factor& grad, float scale, int64_t n, const float* u, const float* wt,
+                   const uint16_t* v, int64_t ldv, const int32_t* rows) {
+    for (const auto& [e, c0] : lora::grad_tasks(off.data(), E, n))
+      lora::grad_columns(L, grad, rank, scale, e, c0, std::min(lora::kGradColumns, n - c0), u, wt, v + c0, true,
+                         ldv, rows, off[e], off[e + 1], s);
+  };
+
   struct Phase {
     const char* name;
     std::function<void()> run;
@@ -128,29 +134,15 @@ int main(int argc, char** argv) {
       {"bwd down: p = B^T g (prologue)", [&] { prologue(dn.b, H, gy.data(), true, H, tok.data(), qd.data()); }},
       {"bwd down: + s A^T p (epilogue)", [&] { epilogue(dn, dn.a, 0, I, 32, qd.data()); }},
       {"bwd down: dA, dB", [&] {
-         for (int64_t e = 0; e < E; ++e)
-           for (int64_t p = 0; p < units_i; p += kGroup) {
-             const int64_t p1 = std::min(units_i, p + kGroup), a1 = std::min(I, p1 * 32);
-             const int64_t c0 = lora::share_begin(H, p, units_i), c1 = lora::share_begin(H, p1, units_i);
-             lora::grad_columns(L, dn.grad_a, rank, dn.scale, e, p * 32, a1 - p * 32, qd.data(), w_row.data(),
-                                h.data() + p * 32, true, ldh, nullptr, off[e], off[e + 1], s);
-             lora::grad_columns(L, dn.grad_b, rank, dn.scale, e, c0, c1 - c0, ah.data(), w_row.data(),
-                                gy.data() + c0, true, H, tok.data(), off[e], off[e + 1], s);
-           }
+         grads(dn.grad_a, dn.scale, I, qd.data(), w_row.data(), h.data(), ldh, nullptr);
+         grads(dn.grad_b, dn.scale, H, ah.data(), w_row.data(), gy.data(), H, tok.data());
        }},
       {"bwd gate_up: p = B^T g (prologue)",
        [&] { prologue(gu.b, 2 * I, ggu_rows.data(), true, 2 * I, nullptr, qg.data()); }},
       {"bwd gate_up: + s A^T p (epilogue)", [&] { epilogue(gu, gu.a, 0, H, 32, qg.data()); }},
       {"bwd gate_up: dA, dB", [&] {
-         for (int64_t e = 0; e < E; ++e)
-           for (int64_t np = 0; np < units_h; np += kGroup) {
-             const int64_t np1 = std::min(units_h, np + kGroup), a1 = std::min(H, np1 * 32);
-             const int64_t c0 = lora::share_begin(2 * I, np, units_h), c1 = lora::share_begin(2 * I, np1, units_h);
-             lora::grad_columns(L, gu.grad_a, rank, gu.scale, e, np * 32, a1 - np * 32, qg.data(), nullptr,
-                                x.data() + np * 32, true, H, tok.data(), off[e], off[e + 1], s);
-             lora::grad_columns(L, gu.grad_b, rank, gu.scale, e, c0, c1 - c0, ax.data(), nullptr,
-                                ggu_rows.data() + c0, true, 2 * I, nullptr, off[e], off[e + 1], s);
-           }
+         grads(gu.grad_a, gu.scale, H, qg.data(), nullptr, x.data(), H, tok.data());
+         grads(gu.grad_b, gu.scale, 2 * I, ax.data(), nullptr, ggu_rows.data(), 2 * I, nullptr);
        }},
   };
   std::printf("E=%lld K=%lld H=%lld I=%lld tokens=%lld rank=%d rows=%lld, one thread, median of %d\n", (long long)E,

@@ -84,10 +84,6 @@ inline std::vector<std::array<int64_t, 2>> grad_tasks(const int64_t* off, int64_
   return tasks;
 }
 
-// Where part p of `parts` near-equal shares of n columns starts (p = parts: n). Shares start at multiples of 16, so a
-// gradient's share runs whole vectors (a ragged end only at column n).
-inline int64_t share_begin(int64_t n, int64_t p, int64_t parts) { return p >= parts ? n : n * p / parts / 16 * 16; }
-
 // Element (bytes) size of a fp32 or bf16 row.
 inline int64_t elem_bytes(bool bf16) { return bf16 ? 2 : 4; }
 
