@@ -94,7 +94,8 @@ static void gemm_block(const int8_t* A, int64_t lda, int64_t m, const int8_t* B0
   }
 }
 
-static const KernelTable table = {"amx", gemm_block, avx512_transpose_block, KTINT8_ELEMENTWISE, lora_leaves};
+static const KernelTable table = {"amx", gemm_block, avx512_transpose_block, avx512_quantize_row,
+                                   KTINT8_ELEMENTWISE_AFTER_QUANTIZE, lora_leaves};
 
 // Tile products only, iters rounds on this thread (doctor's AMX INT8 peak); returns the integer operations done.
 double tile_loop(int64_t iters) {

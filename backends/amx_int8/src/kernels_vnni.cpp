@@ -11,7 +11,8 @@ namespace vnnik {
 #include "ktcore/expert_lora_leaves.inc"
 #include "vnni.inc"
 
-static const KernelTable table = {"vnni", vnni_gemm, avx512_transpose_block, KTINT8_ELEMENTWISE, lora_leaves};
+static const KernelTable table = {"vnni", vnni_gemm, avx512_transpose_block, avx512_quantize_row,
+                                   KTINT8_ELEMENTWISE_AFTER_QUANTIZE, lora_leaves};
 
 }  // namespace vnnik
 

@@ -166,11 +166,14 @@ def _weights(e, h, i, dtype, seed=0):
     return ExpertWeights(*(t.to(dtype) for t in ws))
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 37, 23), (2, 128, 64), (1, 200, 130)], ids=str)
-def test_native_quantiser_matches_numpy_and_python(dtype, shape):
+def test_native_quantiser_matches_numpy_and_python(kernels, dtype, shape):
+    """Each table's row quantiser (the AVX-512 one of vnni and amx is its own code) quantises weights as an
+    independent numpy version and the Python scheme do, to the bit: ties, an all-zero channel, odd widths."""
     weights = _weights(*shape, dtype)
-    b = backend("portable")
+    b = backend(kernels)
     got = b.unpack(b.pack(weights))
     python = Int8Experts.quantize(weights)
     for name in ("gate", "up", "down"):
@@ -247,12 +250,14 @@ def test_thread_count_invariance(kernels):
 
 @pytest.mark.parametrize("kernels", [pytest.param("amx", marks=needs_amx), pytest.param("vnni", marks=needs_vnni)])
 @pytest.mark.parametrize("case", EXTRA, ids=lambda c: c.label)
-def test_kernel_tables_agree_to_the_bit(kernels, case):
-    """Integer products are exact and the float routines are one source compiled without contraction: the AVX-512
-    tables must return the portable table's bits (a wrong block offset, VNNI's sign compensation or a tile
-    remainder shows as a difference here)."""
-    got, _ = _run(backend(kernels), case)
-    want, _ = _run(backend("portable"), case)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["x-fp32", "x-bf16"])
+def test_kernel_tables_agree_to_the_bit(kernels, case, dtype):
+    """Integer products are exact and the float routines are one source compiled without contraction, or (the
+    AVX-512 row quantiser) the same IEEE operations in the same order per element: the AVX-512 tables must return
+    the portable table's bits (a wrong block offset, VNNI's sign compensation, a tile remainder or a quantiser
+    lane shows as a difference here), from fp32 and bf16 token rows."""
+    got, _ = _run(backend(kernels), case, dtype)
+    want, _ = _run(backend("portable"), case, dtype)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
