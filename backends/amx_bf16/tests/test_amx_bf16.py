@@ -10,9 +10,8 @@ import torch
 import ktcore
 import ktcore.plugins.hw
 import ktcore.plugins
-from ktcore.experts import ExpertLoRA, ExpertWeights
 from ktcore.testing import ExpertBackendContract
-from ktcore.testing.contract import Case, dense_reference, relative_error
+from ktcore.testing.contract import Case, relative_error
 
 from ktcore_amx_bf16 import _ext
 from ktcore_amx_bf16.backend import AMXBF16Backend

@@ -9,7 +9,7 @@ from ggml_oracle import round_trip
 from ktcore.config import KTConfig
 from ktcore.experts import ExpertWeights
 from ktcore.testing import ExpertBackendContract
-from ktcore.testing.contract import CASES, relative_error
+from ktcore.testing.contract import relative_error
 
 from ktcore_llamafile import blocks as B
 
