@@ -201,31 +201,6 @@ void Engine::combine(uintptr_t parts, int64_t nparts, int64_t R, int64_t H, uint
                        wgt ? P<const float>(wgt) : nullptr, T, Kk, P<char>(out), out_bf16);
 }
 
-// Expert LoRA's prologue: q[r] = F_e src_r for every row r of every expert (expert_lora.hpp's rank_rows), its
-// tasks over all pools.
-void Engine::lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int rank, int64_t n, uintptr_t src,
-                       bool src_bf16, int64_t lds, const int32_t* rows, float* q) {
-  const std::vector<std::array<int64_t, 3>> tasks = lora::rank_tasks(off, E);
-  sched_.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
-    const auto& t = tasks[i];
-    lora::rank_rows(K_->lora, f, rank, t[0], 0, n, P<const void>(src), src_bf16, lds, rows, t[1], t[2], q, false,
-                    sched_.lora_scratch(pool, tid));
-  });
-}
-
-// Expert LoRA's gradients, a phase after the backward GEMM's (lora::grad_tasks over all pools).
-void Engine::lora_grads(const int64_t* off, int64_t E, const lora::Factor& grad, int rank, float scale, int64_t n,
-                        const float* u, const float* w, const void* v, bool v_bf16, int64_t ldv,
-                        const int32_t* rows) {
-  const std::vector<std::array<int64_t, 2>> tasks = lora::grad_tasks(off, E, n);
-  sched_.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
-    const auto [e, c0] = tasks[i];
-    const char* v0 = static_cast<const char*>(v) + c0 * lora::elem_bytes(v_bf16);
-    lora::grad_columns(K_->lora, grad, rank, scale, e, c0, std::min(lora::kGradColumns, n - c0), u, w, v0, v_bf16,
-                       ldv, rows, off[e], off[e + 1], sched_.lora_scratch(pool, tid));
-  });
-}
-
 // -- forward GEMMs -------------------------------------------------------------------------------------
 void Engine::gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_, uintptr_t up_, int64_t E,
                      int64_t H, int64_t I, uintptr_t h_, uintptr_t g_, uintptr_t u_, int64_t ldh,
@@ -238,7 +213,9 @@ void Engine::gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t g
   const uint16_t *gate = P<const uint16_t>(gate_), *up = P<const uint16_t>(up_);
   uint16_t* h = P<uint16_t>(h_);
   float *g = P<float>(g_), *u = P<float>(u_), *ax = P<float>(ax_);
-  if (lora) lora_rank(off, E, lora->a, lora->rank, H, x, x_bf16, x_stride, P<const int32_t>(tok_), ax);
+  if (lora)
+    lora::rank_phase(sched_, K_->lora, off, E, lora->a, lora->rank, H, P<const void>(x), x_bf16, x_stride,
+                     P<const int32_t>(tok_), ax);
   // each pool owns a slice of I (in 32-column units, so that down's K split matches)
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
     const int64_t nb = t.unit;  // unit = one 16-column block of gate and of up
@@ -278,7 +255,8 @@ void Engine::down(uintptr_t h_, uintptr_t off_, uintptr_t down_, int64_t E, int6
   float* parts = P<float>(parts_);
   float* ah = P<float>(ah_);
   const int64_t R = off[E];
-  if (lora) lora_rank(off, E, lora->a, lora->rank, I, h_, true, ldh, nullptr, ah);
+  if (lora)
+    lora::rank_phase(sched_, K_->lora, off, E, lora->a, lora->rank, I, P<const void>(h_), true, ldh, nullptr, ah);
   auto task = [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
     const int64_t np = t.unit;  // 32 output columns
     const int64_t row0 = t.r0, m = t.r1 - t.r0;
@@ -318,7 +296,8 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
   const float *w_row = P<const float>(w_row_), *ah = P<const float>(ah_);
   float* qd = P<float>(qd_);
   const int64_t nq = d.Hp / 32, units = d.Ip / 32;
-  if (lora) lora_rank(off, E, lora->b, lora->rank, H, gy, gy_bf16, gy_stride, tok, qd);
+  if (lora)
+    lora::rank_phase(sched_, K_->lora, off, E, lora->b, lora->rank, H, P<const void>(gy), gy_bf16, gy_stride, tok, qd);
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
     const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
     const bool fused = m <= 32;
@@ -362,9 +341,10 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/true, task, 1, 0, kBwdTaskRows, kBwdGroup);
   if (lora) {
-    lora_grads(off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row, P<const void>(h_), true, ldh, nullptr);
-    lora_grads(off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row, P<const void>(gy), gy_bf16, gy_stride,
-               tok);
+    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row, P<const void>(h_),
+                     true, ldh, nullptr);
+    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row, P<const void>(gy),
+                     gy_bf16, gy_stride, tok);
   }
 }
 
@@ -404,7 +384,8 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
   float* qg = P<float>(qg_);
   const int32_t* tok = P<const int32_t>(tok_);
   const int64_t R = off[E], units = d.Hp / 32;
-  if (lora) lora_rank(off, E, lora->b, lora->rank, 2 * I, ggu_rows_, true, 2 * I, nullptr, qg);
+  if (lora)
+    lora::rank_phase(sched_, K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu_rows, true, 2 * I, nullptr, qg);
   auto task = [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
     const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
     float* out = parts + static_cast<int64_t>(pool) * R * H;
@@ -457,9 +438,10 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/false, task, 1, d.Ip / 32, kBwdTaskRows, kBwdGroup);
   if (lora) {
-    lora_grads(off, E, lora->grad_a, lora->rank, lora->scale, H, qg, nullptr, P<const void>(x), x_bf16, x_stride,
-               tok);
-    lora_grads(off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax, nullptr, ggu_rows, true, 2 * I, nullptr);
+    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H, qg, nullptr, P<const void>(x),
+                     x_bf16, x_stride, tok);
+    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax, nullptr, ggu_rows,
+                     true, 2 * I, nullptr);
   }
 }
 

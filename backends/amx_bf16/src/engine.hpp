@@ -55,7 +55,7 @@ class Engine {
   // Backward. gh[r, 0:I] = gys[r] @ down_e (down^T tiles derived per task from the packed down: no resident
   // copy). gys: the gathered output gradients, tiled like xs. With LoRA: first qd[r] = B_e gy_tok[r] (fp32 [R, rank];
   // gy: the output gradient's token rows; like gh, before the routing weights w_row), gh gets scale * A_e^T qd, then
-  // (lora_grads) dA = scale * sum_r w_r qd_r h_r^T and dB = scale * sum_r w_r gy_r ah_r^T (ah: the forward's).
+  // (lora::grad_phase) dA = scale * sum_r w_r qd_r h_r^T and dB = scale * sum_r w_r gy_r ah_r^T (ah: the forward's).
   void bwd_down(uintptr_t gys, uintptr_t off, uintptr_t poff, uintptr_t down, int64_t E, int64_t H, int64_t I,
                 uintptr_t gh, const lora::Projection* lora, uintptr_t gy, bool gy_bf16, int64_t gy_stride,
                 uintptr_t tok, uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t qd);
@@ -67,7 +67,7 @@ class Engine {
                uintptr_t order);
   // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I. With LoRA:
   // first qg[r] = B_e ggu_rows[r] (fp32 [R, rank]), one pool per output block adds scale * A_e^T qg, then
-  // (lora_grads) dA = scale * sum_r qg_r x_r^T and dB = scale * sum_r ggu_rows_r ax_r^T.
+  // (lora::grad_phase) dA = scale * sum_r qg_r x_r^T and dB = scale * sum_r ggu_rows_r ax_r^T.
   void bwd_gate_up(uintptr_t ggu, uintptr_t off, uintptr_t poff, uintptr_t gate, uintptr_t up, int64_t E,
                    int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora, uintptr_t ggu_rows, uintptr_t x,
                    bool x_bf16, int64_t x_stride, uintptr_t tok, uintptr_t ax, uintptr_t qg);
@@ -78,12 +78,6 @@ class Engine {
  private:
   template <class Fill>
   void fill_tiled(const int64_t* off, const int64_t* poff, int64_t E, int64_t cols, uint16_t* dst, Fill fill);
-  void lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int rank, int64_t n, uintptr_t src,
-                 bool src_bf16, int64_t lds, const int32_t* rows, float* q);
-  // grad[e][:, c] = scale * sum_r u_r (w_r) v_r[c] for c < n, every expert with rows (lora::grad_columns), a phase
-  // of its own; v: rows[r] (rows null: row r) of a fp32 or bf16 matrix, ldv elements apart
-  void lora_grads(const int64_t* off, int64_t E, const lora::Factor& grad, int rank, float scale, int64_t n,
-                  const float* u, const float* w, const void* v, bool v_bf16, int64_t ldv, const int32_t* rows);
   // the pool that adds the LoRA term of an output unit computed by every pool (partial sums over slices of I)
   int lora_pool(int64_t unit) const { return static_cast<int>(unit % sched_.num_pools()); }
 

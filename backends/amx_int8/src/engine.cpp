@@ -148,29 +148,6 @@ void Engine::combine(uintptr_t parts, int64_t nparts, int64_t R, int64_t H, uint
                        wgt ? P<const float>(wgt) : nullptr, T, Kk, P<char>(out), out_bf16);
 }
 
-void Engine::lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int rank, int64_t n, uintptr_t src,
-                       bool src_bf16, int64_t lds, const int32_t* rows, float* q) {
-  const std::vector<std::array<int64_t, 3>> tasks = lora::rank_tasks(off, E);
-  sched_.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
-    const auto& t = tasks[i];
-    lora::rank_rows(K_->lora, f, rank, t[0], 0, n, P<const void>(src), src_bf16, lds, rows, t[1], t[2], q, false,
-                    sched_.lora_scratch(pool, tid));
-  });
-}
-
-// Expert LoRA's gradients, a phase after the backward GEMM's (lora::grad_tasks over all pools).
-void Engine::lora_grads(const int64_t* off, int64_t E, const lora::Factor& grad, int rank, float scale, int64_t n,
-                        const float* u, const float* w, const void* v, bool v_bf16, int64_t ldv,
-                        const int32_t* rows) {
-  const std::vector<std::array<int64_t, 2>> tasks = lora::grad_tasks(off, E, n);
-  sched_.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
-    const auto [e, c0] = tasks[i];
-    const char* v0 = static_cast<const char*>(v) + c0 * lora::elem_bytes(v_bf16);
-    lora::grad_columns(K_->lora, grad, rank, scale, e, c0, std::min(lora::kGradColumns, n - c0), u, w, v0, v_bf16,
-                       ldv, rows, off[e], off[e + 1], sched_.lora_scratch(pool, tid));
-  });
-}
-
 // -- forward -------------------------------------------------------------------------------------------
 // Task: unit = 16 output channels of gate and of up; the pools split the units.
 void Engine::gate_up(uintptr_t xq_, int64_t lda, uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_,
@@ -182,7 +159,9 @@ void Engine::gate_up(uintptr_t xq_, int64_t lda, uintptr_t xs_, uintptr_t off_, 
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
   const float *xs = P<const float>(xs_), *gs = P<const float>(gate_scales), *us = P<const float>(up_scales);
   float *h = P<float>(h_), *g = P<float>(g_), *u = P<float>(u_), *ax = P<float>(ax_);
-  if (lora) lora_rank(off, E, lora->a, lora->rank, H, x, x_bf16, x_stride, P<const int32_t>(tok_), ax);
+  if (lora)
+    lora::rank_phase(sched_, K_->lora, off, E, lora->a, lora->rank, H, P<const void>(x), x_bf16, x_stride,
+                     P<const int32_t>(tok_), ax);
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
     const int64_t nb = t.unit, ncol = std::min<int64_t>(16, I - nb * 16), m = t.r1 - t.r0;
     int32_t* Ci = sched_.scratch_ci(pool, tid);
@@ -222,7 +201,8 @@ void Engine::down(uintptr_t hq_, int64_t lda, uintptr_t hs_, uintptr_t off_, uin
   const float *hs = P<const float>(hs_), *ds = P<const float>(down_scales);
   float *parts = P<float>(parts_), *ah = P<float>(ah_);
   const int64_t R = off[E];
-  if (lora) lora_rank(off, E, lora->a, lora->rank, I, h, false, ldh, nullptr, ah);
+  if (lora)
+    lora::rank_phase(sched_, K_->lora, off, E, lora->a, lora->rank, I, P<const void>(h), false, ldh, nullptr, ah);
   auto task = [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
     const int64_t np = t.unit, ncol = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0;
     int32_t* Ci = sched_.scratch_ci(pool, tid);
@@ -261,7 +241,8 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
   const int32_t* tok = P<const int32_t>(tok_);
   float *gh = P<float>(gh_), *qd = P<float>(qd_);
   const int64_t units = (I + 31) / 32, kt_n = d.Hp / kBlockK;
-  if (lora) lora_rank(off, E, lora->b, lora->rank, H, gy, gy_bf16, gy_stride, tok, qd);
+  if (lora)
+    lora::rank_phase(sched_, K_->lora, off, E, lora->b, lora->rank, H, P<const void>(gy), gy_bf16, gy_stride, tok, qd);
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
     const int64_t p = t.unit, ncol = std::min<int64_t>(32, I - p * 32), m = t.r1 - t.r0;
     int8_t* s = sched_.scratch_blocks(pool, tid, 2 * kt_n);
@@ -284,9 +265,10 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/true, 0, kBwdTaskRows, task);
   if (lora) {
-    lora_grads(off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row, h, false, ldh, nullptr);
-    lora_grads(off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row, P<const void>(gy), gy_bf16, gy_stride,
-               tok);
+    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row, h, false, ldh,
+                     nullptr);
+    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row, P<const void>(gy),
+                     gy_bf16, gy_stride, tok);
   }
 }
 
@@ -331,7 +313,7 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
   const int32_t* tok = P<const int32_t>(tok_);
   float *parts = P<float>(parts_), *qg = P<float>(qg_);
   const int64_t R = off[E], units = (H + 31) / 32, half = d.Ip / kBlockK;
-  if (lora) lora_rank(off, E, lora->b, lora->rank, 2 * I, ggu32_, false, 2 * I, nullptr, qg);
+  if (lora) lora::rank_phase(sched_, K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu32, false, 2 * I, nullptr, qg);
   auto task = [&](const Task& t, int pool, int tid, int64_t k0, int64_t k1) {
     const int64_t np = t.unit, nc = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0, nk = k1 - k0;
     int8_t* s = sched_.scratch_blocks(pool, tid, 2 * nk);
@@ -359,9 +341,10 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
   };
   sched_.run_split(off, poff, E, units, /*split_units=*/false, 2 * half, kBwdTaskRows, task);
   if (lora) {
-    lora_grads(off, E, lora->grad_a, lora->rank, lora->scale, H, qg, nullptr, P<const void>(x), x_bf16, x_stride,
-               tok);
-    lora_grads(off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax, nullptr, ggu32, false, 2 * I, nullptr);
+    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H, qg, nullptr, P<const void>(x),
+                     x_bf16, x_stride, tok);
+    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax, nullptr, ggu32, false,
+                     2 * I, nullptr);
   }
 }
 

@@ -66,7 +66,7 @@ class Engine {
 
   // Backward. gh[r, 0:I] = dequantised gyq[r] @ codes(down_e), where gyq are the rows gy_tok[r] * down_scales[e]
   // quantised (so the transposed product uses the very codes and scales of the forward; W^T blocks derived per
-  // task). With LoRA: first qd[r] = B_e gy_tok[r], gh gets scale * A_e^T qd, then (lora_grads) dA = scale *
+  // task). With LoRA: first qd[r] = B_e gy_tok[r], gh gets scale * A_e^T qd, then (lora::grad_phase) dA = scale *
   // sum_r w_r qd_r h_r^T and dB = scale * sum_r w_r gy_r ah_r^T (gh is before w_row).
   void bwd_down(uintptr_t gyq, int64_t lda, uintptr_t gys, uintptr_t off, uintptr_t poff, uintptr_t down, int64_t E,
                 int64_t H, int64_t I, uintptr_t gh, const lora::Projection* lora, uintptr_t gy, bool gy_bf16,
@@ -78,7 +78,7 @@ class Engine {
                uintptr_t poff, int64_t E, int64_t I, uintptr_t gate_scales, uintptr_t up_scales, uintptr_t ggq,
                int64_t lda, uintptr_t ggs, uintptr_t ggu32, uintptr_t grad_w, uintptr_t order);
   // parts[p, r, 0:H] = dequantised ggq[r] @ [codes(gate_e); codes(up_e)] over pool p's slice of the 2 Ip inputs.
-  // With LoRA: first qg[r] = B_e ggu32[r], one pool per output block adds scale * A_e^T qg, then (lora_grads)
+  // With LoRA: first qg[r] = B_e ggu32[r], one pool per output block adds scale * A_e^T qg, then (lora::grad_phase)
   // dA = scale * sum_r qg_r x_r^T and dB = scale * sum_r ggu32_r ax_r^T.
   void bwd_gate_up(uintptr_t ggq, int64_t lda, uintptr_t ggs, uintptr_t off, uintptr_t poff, uintptr_t gate,
                    uintptr_t up, int64_t E, int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora,
@@ -89,12 +89,6 @@ class Engine {
   void memzero(uintptr_t p, int64_t nbytes);
 
  private:
-  void lora_rank(const int64_t* off, int64_t E, const lora::Factor& f, int rank, int64_t n, uintptr_t src,
-                 bool src_bf16, int64_t lds, const int32_t* rows, float* q);
-  // grad[e][:, c] = scale * sum_r u_r (w_r) v_r[c] for c < n, every expert with rows (lora::grad_columns), a phase
-  // of its own; v: rows[r] (rows null: row r) of a fp32 or bf16 matrix, ldv elements apart
-  void lora_grads(const int64_t* off, int64_t E, const lora::Factor& grad, int rank, float scale, int64_t n,
-                  const float* u, const float* w, const void* v, bool v_bf16, int64_t ldv, const int32_t* rows);
   // the pool that adds the LoRA term of an output unit computed by every pool (partial sums over slices of K)
   int lora_pool(int64_t unit) const { return static_cast<int>(unit % sched_.num_pools()); }
 
