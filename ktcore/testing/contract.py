@@ -256,12 +256,18 @@ class ExpertBackendContract:
             torch.testing.assert_close(second, first, rtol=0, atol=0)
 
     def test_unpack_gives_the_weights_it_computes_with(self):
-        """``unpack`` (where the backend has it: ``kt_num_gpu_experts`` copies resident experts from it) returns the
-        experts asked for, in that order, as the weights the packed format stands for (``oracle_weights``), bit for
-        bit. A transposed tile, padding taken for data, or another expert's rows or scales would each fail."""
+        """``unpack`` (``kt_num_gpu_experts`` copies resident experts from it) returns the experts asked for, in that
+        order, as the weights the packed format stands for (``oracle_weights``), bit for bit. A transposed tile,
+        padding taken for data, or another expert's rows or scales would each fail. A backend without it (it is
+        optional) must be refused by ``kt_num_gpu_experts`` before anything loads."""
+        from ..errors import ConfigError
+        from ..model.resident import check_unpack
+
         backend = self.make_backend()
         if not can_unpack(backend):
-            pytest.skip(f"{self.backend_name} has no unpack (kt_num_gpu_experts is refused with it)")
+            with pytest.raises(ConfigError, match="kt_num_gpu_experts needs a backend that unpacks"):
+                check_unpack(type(backend), self.backend_name, "a layer")
+            return
         weights = self.problem(Case(5, 70, 40, 1, 1, label="padded"))[0]
         want = self.oracle_weights(weights)
         packed = backend.pack(weights, self.activation)
