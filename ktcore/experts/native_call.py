@@ -112,7 +112,7 @@ def unpack_tiles(blocks: torch.Tensor, ids: torch.Tensor, rows: int, cols: int, 
     bf16 or 64 int8), block-major per expert, rows zero-padded to ``row_multiple`` and inputs to whole blocks; inside
     a block the 4 bytes of inputs 4j..4j+3 (bytes, whatever the dtype) of row r sit at word ``j * 16 + r``: a 16 x 16
     transpose of 32-bit words, done as one strided copy of words per expert."""
-    group = 4 // torch.empty(0, dtype=dtype).element_size()  # inputs per 32-bit word
+    group = 4 // dtype.itemsize  # inputs per 32-bit word
     row_blocks, col_blocks = -(-rows // row_multiple) * row_multiple // 16, -(-cols // (16 * group))
     words = blocks.view(torch.int32).view(-1, row_blocks, col_blocks, 16, 16)
     out = torch.empty(len(ids), row_blocks * 16, col_blocks * 16, dtype=torch.int32)

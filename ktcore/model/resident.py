@@ -28,9 +28,9 @@ Where the resident weights come from: the backend's own packed experts, through 
 experts in HF's layout as the backend computes with them: amx_bf16's bf16 tiles, amx_int8's codes and scales,
 llamafile's blocks dequantised, the torch backend's tensors), so host memory holds every expert once and an
 expert's weights do not change when it moves between the CPU and the GPU. int8 codes cross as codes (half the
-bytes) and are dequantised on the device. A refresh unpacks N experts per changed layer (one strided copy each,
-~memcpy speed on one thread; 2.2 GB/s on the development host) into pinned memory; a backend without ``unpack``
-cannot keep experts resident (``check_unpack``).
+bytes) and are dequantised on the device. A refresh unpacks N experts per changed layer into pinned memory (one
+strided copy each: as fast as gathering them from a copy of their own was); a backend without ``unpack`` cannot
+keep experts resident (``check_unpack``).
 """
 
 from __future__ import annotations
