@@ -139,9 +139,8 @@ static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uin
   if (two) { _tile_stored(2, C + 16 * ldc, sc); _tile_stored(3, C + 16 * ldc + 16, sc); }
 }
 
-static const KernelTable table = {"amx", gemm_block, transpose_pair, gemm_transposing,
-                                  ew_silu_mul, ew_silu_mul_bwd, ew_row_to_bf16, ew_axpy,
-                                  ew_store_row, lora_leaves};
+static const KernelTable table = {"amx", gemm_block, transpose_pair, gemm_transposing, KTAMX_ELEMENTWISE,
+                                  lora_leaves};
 
 }  // namespace amxk
 

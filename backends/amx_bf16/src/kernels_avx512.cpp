@@ -44,9 +44,8 @@ static void gemm_transposing(const uint16_t* A, ALayout la, int64_t m, const uin
   gemm_block(A, la, m, slots, slots + steps * kBlockElems, steps, C, ldc, acc);
 }
 
-static const KernelTable table = {"avx512", gemm_block, transpose_pair, gemm_transposing,
-                                  ew_silu_mul, ew_silu_mul_bwd, ew_row_to_bf16, ew_axpy,
-                                  ew_store_row, lora_leaves};
+static const KernelTable table = {"avx512", gemm_block, transpose_pair, gemm_transposing, KTAMX_ELEMENTWISE,
+                                  lora_leaves};
 
 }  // namespace avx512k
 
