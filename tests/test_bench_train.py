@@ -94,6 +94,9 @@ def test_resident_experts_side_by_side(tmp_path):
         assert row["error"] is None and row["tok_s"] > 0
     assert rows[0]["gpu_experts_gib"] == 0 and rows[1]["gpu_experts_gib"] > 0
     assert rows[1]["split"]["gpu_experts_refreshes"] == 0  # 2 calls a layer: below the default interval
+    rows = bench("--tokens", "16", "--kernel-seconds", "0", "--no-expert-lora-off", "--num-gpu-experts", "2",
+                 "--gpu-experts-interval", "1", "--warmup", "0", "--steps", "3", "--workdir", str(tmp_path))
+    assert rows[0]["split"]["gpu_experts_refreshes"] > 0 and rows[0]["split"]["gpu_experts_refresh_s"] > 0
     result = CliRunner().invoke(main, ["bench", "train", "--cpu", "--num-gpu-experts", "2,x"])
     assert result.exit_code == 2 and "--num-gpu-experts 2,x" in result.output
 

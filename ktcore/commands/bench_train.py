@@ -408,6 +408,7 @@ class Settings:
     stream_activation: str = "retain"  # kt_stream_activation of the gpu_stream, hybrid and auto runs
     hybrid_cpu_share: Optional[float] = 0.5  # kt_hybrid_cpu_share of the hybrid runs (None: re-balanced)
     num_gpu_experts: tuple = (0,)  # kt_num_gpu_experts of each cpu run, side by side
+    gpu_experts_interval: int = 8  # kt_gpu_experts_interval of those runs
     rates: Optional[str] = None  # kt_rates of the auto and re-balanced hybrid runs (None: measured at load)
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -459,7 +460,8 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
           "kt_expert_placement": placement, "kt_stream_ring": settings.stream_ring,
           "kt_stream_activation": settings.stream_activation,
           "kt_hybrid_cpu_share": settings.hybrid_cpu_share, "kt_rates": settings.rates,
-          "kt_expert_lora_device": lora_device, "kt_num_gpu_experts": gpu_experts}
+          "kt_expert_lora_device": lora_device, "kt_num_gpu_experts": gpu_experts,
+          "kt_gpu_experts_interval": settings.gpu_experts_interval}
     base = load_model(model_dir, kt, device=device, dtype=settings.dtype, progress=False)
     chunk_lm_loss(base)  # as ktcore train
     stream = base.ktcore.stream

@@ -466,13 +466,15 @@ def _share(text: str) -> float:
 @click.option("--num-gpu-experts", "num_gpu_experts", default="0", show_default=True,
               help="comma list of kt_num_gpu_experts values (experts per MoE layer resident on the GPU), each cpu "
                    "run side by side (e.g. 0,8,16)")
+@click.option("--gpu-experts-interval", default=8, show_default=True, type=click.IntRange(min=1),
+              help="kt_gpu_experts_interval of the --num-gpu-experts runs (forward calls between choices)")
 @click.option("--expert-lora-device", "lora_devices", default="model", show_default=True,
               help="comma list of kt_expert_lora_device values, each run side by side (model, host)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
                 expert_lora_off, baseline, kernel_seconds, expert_formats, loss_steps, model_dir, workdir, keep, on_cpu,
-                placements, stream_ring, stream_activation, num_gpu_experts, hybrid_cpu_share, rates_path,
-                lora_devices, as_json):
+                placements, stream_ring, stream_activation, num_gpu_experts, gpu_experts_interval, hybrid_cpu_share,
+                rates_path, lora_devices, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
@@ -495,7 +497,7 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
                         expert_lora_off=expert_lora_off, baseline=baseline, kernel_seconds=kernel_seconds,
                         expert_formats=tuple(f for f in EXPERT_FORMATS if f in formats), loss_steps=loss_steps,
                         placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring,
-                        stream_activation=stream_activation,
+                        stream_activation=stream_activation, gpu_experts_interval=gpu_experts_interval,
                         hybrid_cpu_share=share, rates=rates_path,
                         expert_lora_devices=tuple(d.strip() for d in lora_devices.split(",")))
     try:
