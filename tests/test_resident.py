@@ -162,6 +162,27 @@ def test_counts_persist_across_calls_and_decay_at_each_choice():
     assert r.choose().ids == (2,)
 
 
+def test_a_refresh_unpacks_only_the_experts_that_join():
+    """A refresh that keeps some experts copies their rows from the old device buffer and unpacks only the joining
+    ones from the backend; the new buffer equals the chosen experts' weights row for row, and the old one is left
+    as it was (a backward may still read it). Rows taken from the wrong old row, or the joining experts put in the
+    wrong rows, would differ from the host's experts."""
+    host = ((torch.randn(6, 8, 3),), (torch.randn(6, 3, 4),))
+    layer = torch_layer(host)
+    unpacked, real = [], layer.backend.unpack
+    layer.backend.unpack = lambda packed, ids: unpacked.append(ids.tolist()) or real(packed, ids)
+    r = ResidentExperts("layer", layer, 6, 3, 1, "cpu", torch.float32)
+    first = r.current
+    assert unpacked == [[0, 1, 2]]
+    r.count(torch.tensor([[5, 2], [4, 2]] * 30))  # 5 and 4 displace 1 and 0; 2 stays
+    assert r.choose().ids == (2, 4, 5) and unpacked[1:] == [[4, 5]]
+    for got, full in zip(r.current.weights, host):
+        assert torch.equal(got, full[0][[2, 4, 5]])
+    for got, full in zip(first.weights, host):
+        assert torch.equal(got, full[0][:3])
+    assert r.current.slot_of.tolist() == [3, 3, 0, 3, 1, 2]
+
+
 def test_load_model_keeps_experts_resident(tmp_path):
     """The loading path (experts read from the safetensors into the backend and the resident buffer) against
     transformers + PEFT."""

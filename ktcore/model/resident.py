@@ -15,21 +15,22 @@ Which experts. Each call adds its token-slots per expert to a float counter on t
 ``kt_gpu_experts_interval`` forward calls the layer copies the counts to pinned host memory without waiting, halves
 them (so the last interval weighs as much as all before it), and at its next call, once that copy has landed
 (it has: a whole step ran since), takes the N experts with the most slots, where an expert displaces a resident
-one only with significantly more slots (``top_experts``), and, when they differ, copies their weights into a new
-device buffer. A new buffer, not the old one overwritten: the old set stays intact for a backward that still
-needs it. The interval counts forward calls (micro-batches), not optimizer steps: a layer sees its calls, and
-neither the frontend's step nor gradient accumulation change what is resident-worthy. At the default of 8 a
-refresh copies at most N experts per layer every 8 calls (Qwen3-30B-A3B, N = 16: 150 MB, unpacked in tens of ms
-and copied in ~3 ms at 55 GB/s, against a step of seconds), and 8 calls' routing of thousands of tokens is a
-steady count. A checkpointed layer recomputed in backward takes the set its forward used (kept on the
+one only with significantly more slots (``top_experts``), and, when they differ, builds a new device buffer:
+experts that stay are copied from the old one on the device, only those that join cross from the host. A new
+buffer, not the old one overwritten: the old set stays intact for a backward that still needs it. The interval
+counts forward calls (micro-batches), not optimizer steps: a layer sees its calls, and neither the frontend's step
+nor gradient accumulation change what is resident-worthy. At the default of 8 a refresh copies at most N experts
+per layer every 8 calls, after the first choice usually a few (Qwen3-30B-A3B, N = 16: 150 MB at most, unpacked in
+tens of ms and copied in ~3 ms at 55 GB/s, against a step of seconds), and 8 calls' routing of thousands of tokens
+is a steady count. A checkpointed layer recomputed in backward takes the set its forward used (kept on the
 recomputation's tape, ``experts.replay``); recomputed calls are not counted again.
 
 Where the resident weights come from: the backend's own packed experts, through its ``unpack`` (the chosen
 experts in HF's layout as the backend computes with them: amx_bf16's bf16 tiles, amx_int8's codes and scales,
 llamafile's blocks dequantised, the torch backend's tensors), so host memory holds every expert once and an
 expert's weights do not change when it moves between the CPU and the GPU. int8 codes cross as codes (half the
-bytes) and are dequantised on the device. A refresh unpacks N experts per changed layer into pinned memory (one
-strided copy each: as fast as gathering them from a copy of their own was); a backend without ``unpack`` cannot
+bytes) and are dequantised on the device. A refresh unpacks the joining experts into pinned memory (one strided
+copy each: as fast as gathering them from a copy of their own was); a backend without ``unpack`` cannot
 keep experts resident (``check_unpack``).
 """
 
@@ -122,18 +123,31 @@ class ResidentExperts:
     def device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.current.weights)
 
-    def _build(self, ids: tuple) -> ResidentSet:
+    def _build(self, ids: tuple, previous: Optional[ResidentSet] = None) -> ResidentSet:
+        """The experts ``ids`` in a new device buffer: those ``previous`` holds are copied from its rows on the
+        device, only the others are unpacked from the backend and cross from the host."""
         index = torch.tensor(ids, dtype=torch.long)
         slot_of = torch.full((self.experts,), self.n, dtype=torch.long)
         slot_of[index] = torch.arange(self.n)
+        held = {} if previous is None else {e: row for row, e in enumerate(previous.ids)}
+        joining = [e for e in ids if e not in held]
         cuda = self.device.type == "cuda"
         weights = []
-        for part in host_layout(self.layer.backend.unpack(self.layer.packed, index), self.dtype):
+        unpacked = self.layer.backend.unpack(self.layer.packed, torch.tensor(joining, dtype=torch.long))
+        for p, part in enumerate(host_layout(unpacked, self.dtype)):
             if cuda:  # pinned, so the copy to the device runs without holding up the host
                 part = tuple(t.pin_memory() for t in part)
                 self.copied_bytes += sum(t.numel() * t.element_size() for t in part)
-            weights.append(weight_of(tuple(t.to(self.device, non_blocking=cuda) for t in part), self.dtype)
-                           .to(self.dtype))
+            arrived = weight_of(tuple(t.to(self.device, non_blocking=cuda) for t in part), self.dtype).to(self.dtype)
+            if not held:
+                weights.append(arrived)
+                continue
+            # row by row with plain indices: an index tensor would have to cross to the device first
+            out, old, arriving = torch.empty((len(ids), *arrived.shape[1:]), dtype=self.dtype,
+                                             device=self.device), previous.weights[p], iter(arrived)
+            for row, e in enumerate(ids):
+                out[row].copy_(old[held[e]] if e in held else next(arriving))
+            weights.append(out)
         # the ids pinned too: a copy from pageable memory would wait for everything queued on the device
         small = [t.pin_memory() if cuda else t for t in (index, slot_of)]
         index_device, slot_of = (t.to(self.device, non_blocking=True) for t in small)
@@ -148,7 +162,7 @@ class ResidentExperts:
                 ids = top_experts(counts.tolist(), self.n, self.current.ids)
                 if ids != self.current.ids:
                     start = time.perf_counter()
-                    self.current = self._build(ids)
+                    self.current = self._build(ids, self.current)
                     self.refresh_s += time.perf_counter() - start
                     self.refreshes += 1
         return self.current
