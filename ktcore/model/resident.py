@@ -143,10 +143,10 @@ class ResidentExperts:
                 weights.append(arrived)
                 continue
             # row by row with plain indices: an index tensor would have to cross to the device first
-            out, old, arriving = torch.empty((len(ids), *arrived.shape[1:]), dtype=self.dtype,
-                                             device=self.device), previous.weights[p], iter(arrived)
+            out = torch.empty((len(ids), *arrived.shape[1:]), dtype=self.dtype, device=self.device)
+            arriving = iter(arrived)
             for row, e in enumerate(ids):
-                out[row].copy_(old[held[e]] if e in held else next(arriving))
+                out[row].copy_(previous.weights[p][held[e]] if e in held else next(arriving))
             weights.append(out)
         # the ids pinned too: a copy from pageable memory would wait for everything queued on the device
         small = [t.pin_memory() if cuda else t for t in (index, slot_of)]
