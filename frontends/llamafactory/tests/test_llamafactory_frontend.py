@@ -236,7 +236,7 @@ def test_dpo_reference_is_base_model(dpo_run):
     summary, trainer, keys = dpo_run
     model = trainer.model.eval()
     lora_b = [p for n, p in model.named_parameters() if ".experts." in n and "lora_B" in n]
-    assert lora_b and max(float(p.abs().max()) for p in lora_b) > 0  # expert LoRA has moved
+    assert lora_b and max(float(p.detach().abs().max()) for p in lora_b) > 0  # expert LoRA has moved
     base = ktcore.load_model(keys["model_name_or_path"], {"kt_backend": "torch"}, dtype=torch.float32,
                              progress=False).eval()
     batch = next(iter(trainer.get_train_dataloader()))
