@@ -4,6 +4,7 @@
 
 #include "engine.hpp"
 #include "ktcore/expert_lora_binding.hpp"
+#include "ktcore/phase_clock_binding.hpp"
 #include "select.hpp"
 
 namespace py = pybind11;
@@ -19,7 +20,9 @@ PYBIND11_MODULE(_ext, m) {
   ktcore::lora::bind_projection(m);
 
   using G = py::call_guard<py::gil_scoped_release>;
-  py::class_<Engine>(m, "Engine")
+  py::class_<Engine> engine(m, "Engine");
+  ktcore::bind_phase_clock(engine);
+  engine
       .def(py::init<int, int, const std::string&>(), py::arg("num_threads") = 0, py::arg("num_pools") = 1,
            py::arg("kernels") = "auto")
       .def_property_readonly("num_threads", &Engine::num_threads)

@@ -188,6 +188,7 @@ void Engine::fill_tiled(const int64_t* off, const int64_t* poff, int64_t E, int6
 
 void Engine::gather(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t H, int64_t Hp, uintptr_t off_,
                     uintptr_t poff_, int64_t E, uintptr_t tok_, uintptr_t dst_) {
+  const auto span = sched_.phase_clock().span("gather");
   const int32_t* tok = P<const int32_t>(tok_);
   const int64_t es = src_bf16 ? 2 : 4;
   fill_tiled(P<const int64_t>(off_), P<const int64_t>(poff_), E, Hp, P<uint16_t>(dst_), [&](int64_t r, uint16_t* row) {
@@ -214,8 +215,8 @@ void Engine::gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t g
   uint16_t* h = P<uint16_t>(h_);
   float *g = P<float>(g_), *u = P<float>(u_), *ax = P<float>(ax_);
   if (lora)
-    lora::rank_phase(sched_, K_->lora, off, E, lora->a, lora->rank, H, P<const void>(x), x_bf16, x_stride,
-                     P<const int32_t>(tok_), ax);
+    lora::rank_phase(sched_, "fwd gate_up: lora A x", K_->lora, off, E, lora->a, lora->rank, H, P<const void>(x),
+                     x_bf16, x_stride, P<const int32_t>(tok_), ax);
   // each pool owns a slice of I (in 32-column units, so that down's K split matches)
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
     const int64_t nb = t.unit;  // unit = one 16-column block of gate and of up
@@ -243,7 +244,10 @@ void Engine::gate_up(uintptr_t xs_, uintptr_t off_, uintptr_t poff_, uintptr_t g
       }
     }
   };
-  sched_.run_split(off, poff, E, d.Ip / 32, /*split_units=*/true, task, /*units_per_split_unit=*/2, 0, kFwdTaskRows);
+  {
+    const auto span = sched_.phase_clock().span("fwd gate_up: gemm");
+    sched_.run_split(off, poff, E, d.Ip / 32, /*split_units=*/true, task, /*units_per_split_unit=*/2, 0, kFwdTaskRows);
+  }
 }
 
 void Engine::down(uintptr_t h_, uintptr_t off_, uintptr_t down_, int64_t E, int64_t H, int64_t I, uintptr_t parts_,
@@ -256,7 +260,8 @@ void Engine::down(uintptr_t h_, uintptr_t off_, uintptr_t down_, int64_t E, int6
   float* ah = P<float>(ah_);
   const int64_t R = off[E];
   if (lora)
-    lora::rank_phase(sched_, K_->lora, off, E, lora->a, lora->rank, I, P<const void>(h_), true, ldh, nullptr, ah);
+    lora::rank_phase(sched_, "fwd down: lora A h", K_->lora, off, E, lora->a, lora->rank, I, P<const void>(h_), true,
+                     ldh, nullptr, ah);
   auto task = [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
     const int64_t np = t.unit;  // 32 output columns
     const int64_t row0 = t.r0, m = t.r1 - t.r0;
@@ -276,7 +281,10 @@ void Engine::down(uintptr_t h_, uintptr_t off_, uintptr_t down_, int64_t E, int6
       for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + m0 + r) * H + np * 32, C + r * 32, ncol * 4);
     }
   };
-  sched_.run_split(off, nullptr, E, d.Hp / 32, /*split_units=*/false, task, 1, d.Ip / 32, kFwdTaskRows);
+  {
+    const auto span = sched_.phase_clock().span("fwd down: gemm");
+    sched_.run_split(off, nullptr, E, d.Hp / 32, /*split_units=*/false, task, 1, d.Ip / 32, kFwdTaskRows);
+  }
 }
 
 // -- backward ------------------------------------------------------------------------------------------
@@ -297,7 +305,8 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
   float* qd = P<float>(qd_);
   const int64_t nq = d.Hp / 32, units = d.Ip / 32;
   if (lora)
-    lora::rank_phase(sched_, K_->lora, off, E, lora->b, lora->rank, H, P<const void>(gy), gy_bf16, gy_stride, tok, qd);
+    lora::rank_phase(sched_, "bwd down: lora B^T g", K_->lora, off, E, lora->b, lora->rank, H, P<const void>(gy),
+                     gy_bf16, gy_stride, tok, qd);
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
     const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
     const bool fused = m <= 32;
@@ -339,18 +348,22 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
       }
     }
   };
-  sched_.run_split(off, poff, E, units, /*split_units=*/true, task, 1, 0, kBwdTaskRows, kBwdGroup);
+  {
+    const auto span = sched_.phase_clock().span("bwd down: gemm");
+    sched_.run_split(off, poff, E, units, /*split_units=*/true, task, 1, 0, kBwdTaskRows, kBwdGroup);
+  }
   if (lora) {
-    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row, P<const void>(h_),
-                     true, ldh, nullptr);
-    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row, P<const void>(gy),
-                     gy_bf16, gy_stride, tok);
+    lora::grad_phase(sched_, "bwd down: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row,
+                     P<const void>(h_), true, ldh, nullptr);
+    lora::grad_phase(sched_, "bwd down: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row,
+                     P<const void>(gy), gy_bf16, gy_stride, tok);
   }
 }
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, uintptr_t off_,
                      uintptr_t poff_, int64_t E, int64_t I, uintptr_t ggu_, uintptr_t ggu_rows_, uintptr_t gradw_,
                      int64_t ldh, uintptr_t order_) {
+  const auto span = sched_.phase_clock().span("bwd act");
   const int64_t* order = P<const int64_t>(order_);
   const int64_t Ip = rup(I, 32);
   const float *gh = P<const float>(gh_), *g = P<const float>(g_), *u = P<const float>(u_);
@@ -385,7 +398,8 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
   const int32_t* tok = P<const int32_t>(tok_);
   const int64_t R = off[E], units = d.Hp / 32;
   if (lora)
-    lora::rank_phase(sched_, K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu_rows, true, 2 * I, nullptr, qg);
+    lora::rank_phase(sched_, "bwd gate_up: lora B^T g", K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu_rows, true,
+                     2 * I, nullptr, qg);
   auto task = [&](const Task& t, int pool, int tid, int64_t q0, int64_t q1) {
     const int64_t n = t.units, row0 = t.r0, m = t.r1 - t.r0;
     float* out = parts + static_cast<int64_t>(pool) * R * H;
@@ -436,12 +450,15 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
       }
     }
   };
-  sched_.run_split(off, poff, E, units, /*split_units=*/false, task, 1, d.Ip / 32, kBwdTaskRows, kBwdGroup);
+  {
+    const auto span = sched_.phase_clock().span("bwd gate_up: gemm");
+    sched_.run_split(off, poff, E, units, /*split_units=*/false, task, 1, d.Ip / 32, kBwdTaskRows, kBwdGroup);
+  }
   if (lora) {
-    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H, qg, nullptr, P<const void>(x),
-                     x_bf16, x_stride, tok);
-    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax, nullptr, ggu_rows,
-                     true, 2 * I, nullptr);
+    lora::grad_phase(sched_, "bwd gate_up: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H, qg,
+                     nullptr, P<const void>(x), x_bf16, x_stride, tok);
+    lora::grad_phase(sched_, "bwd gate_up: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax,
+                     nullptr, ggu_rows, true, 2 * I, nullptr);
   }
 }
 

@@ -20,6 +20,8 @@ class Engine {
 
   int num_threads() const { return sched_.num_threads(); }
   int num_pools() const { return sched_.num_pools(); }
+  // wall time per phase, while switched on (phase_clock_binding.hpp)
+  ktcore::PhaseClock& phase_clock() { return sched_.phase_clock(); }
   std::string kernels() const { return K_->name; }
 
   // src bf16 [E, N, K] contiguous -> dst [E, rup(N,32)/16, rup(K,32)/32, 512] (kernels.hpp's block layout)

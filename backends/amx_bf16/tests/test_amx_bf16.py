@@ -337,3 +337,25 @@ def test_doctor_report_says_which_kernels():
             assert _backend("auto").kernels == "avx512"
     else:
         assert got["amx_bf16_peak_gflops"] > 100 and got["amx_bf16_kernels"] == "amx"
+
+
+# Every phase of a forward + backward with expert LoRA, as bench_expert_lora.py --phases prints them
+LORA_PHASES = {f"{d} {p}: {what}" for d, p, whats in (("fwd", "gate_up", ("lora A x", "gemm")),
+                                                       ("fwd", "down", ("lora A h", "gemm")),
+                                                       ("bwd", "down", ("lora B^T g", "gemm", "lora dA", "lora dB")),
+                                                       ("bwd", "gate_up", ("lora B^T g", "gemm", "lora dA", "lora dB")))
+               for what in whats} | {"bwd act"}
+
+
+def test_phase_clock_times_each_phase_only_while_on():
+    b = _backend("portable", kt_num_threads=2)
+    engine = b._engine
+    _run(b, EXTRA[0])
+    assert engine.phase_times() == {}  # off: nothing recorded
+    engine.phase_clock(True)
+    _run(b, EXTRA[0])
+    times = engine.phase_times()
+    engine.phase_clock(False)
+    assert LORA_PHASES <= set(times), LORA_PHASES - set(times)
+    assert all(seconds > 0 and calls == 1 for name, (seconds, calls) in times.items() if name in LORA_PHASES)
+    assert engine.phase_times() == {}  # a read starts over

@@ -125,6 +125,7 @@ int64_t Engine::route(uintptr_t ids_, int64_t T, int64_t Kk, int64_t E, uintptr_
 void Engine::quantize_rows(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t n, int64_t npad, uintptr_t off_,
                            uintptr_t poff_, int64_t E, uintptr_t tok_, uintptr_t mul_, uintptr_t dst_, int64_t lda,
                            uintptr_t scales_) {
+  const auto span = sched_.phase_clock().span("quantize rows");
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
   const int32_t* tok = P<const int32_t>(tok_);
   const float* mul = P<const float>(mul_);
@@ -160,8 +161,8 @@ void Engine::gate_up(uintptr_t xq_, int64_t lda, uintptr_t xs_, uintptr_t off_, 
   const float *xs = P<const float>(xs_), *gs = P<const float>(gate_scales), *us = P<const float>(up_scales);
   float *h = P<float>(h_), *g = P<float>(g_), *u = P<float>(u_), *ax = P<float>(ax_);
   if (lora)
-    lora::rank_phase(sched_, K_->lora, off, E, lora->a, lora->rank, H, P<const void>(x), x_bf16, x_stride,
-                     P<const int32_t>(tok_), ax);
+    lora::rank_phase(sched_, "fwd gate_up: lora A x", K_->lora, off, E, lora->a, lora->rank, H, P<const void>(x),
+                     x_bf16, x_stride, P<const int32_t>(tok_), ax);
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
     const int64_t nb = t.unit, ncol = std::min<int64_t>(16, I - nb * 16), m = t.r1 - t.r0;
     int32_t* Ci = sched_.scratch_ci(pool, tid);
@@ -188,7 +189,10 @@ void Engine::gate_up(uintptr_t xq_, int64_t lda, uintptr_t xs_, uintptr_t off_, 
       }
     }
   };
-  sched_.run_split(off, poff, E, (I + 15) / 16, /*split_units=*/true, 0, kFwdTaskRows, task);
+  {
+    const auto span = sched_.phase_clock().span("fwd gate_up: gemm");
+    sched_.run_split(off, poff, E, (I + 15) / 16, /*split_units=*/true, 0, kFwdTaskRows, task);
+  }
 }
 
 // Task: unit = 32 output columns of H; every pool runs every unit over its slice of I (partial sums).
@@ -202,7 +206,8 @@ void Engine::down(uintptr_t hq_, int64_t lda, uintptr_t hs_, uintptr_t off_, uin
   float *parts = P<float>(parts_), *ah = P<float>(ah_);
   const int64_t R = off[E];
   if (lora)
-    lora::rank_phase(sched_, K_->lora, off, E, lora->a, lora->rank, I, P<const void>(h), false, ldh, nullptr, ah);
+    lora::rank_phase(sched_, "fwd down: lora A h", K_->lora, off, E, lora->a, lora->rank, I, P<const void>(h), false,
+                     ldh, nullptr, ah);
   auto task = [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
     const int64_t np = t.unit, ncol = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0;
     int32_t* Ci = sched_.scratch_ci(pool, tid);
@@ -224,7 +229,10 @@ void Engine::down(uintptr_t hq_, int64_t lda, uintptr_t hs_, uintptr_t off_, uin
       for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + r) * H + np * 32, C + r * 32, ncol * 4);
     }
   };
-  sched_.run_split(off, poff, E, (H + 31) / 32, /*split_units=*/false, d.dn_kb(), kFwdTaskRows, task);
+  {
+    const auto span = sched_.phase_clock().span("fwd down: gemm");
+    sched_.run_split(off, poff, E, (H + 31) / 32, /*split_units=*/false, d.dn_kb(), kFwdTaskRows, task);
+  }
 }
 
 // -- backward ------------------------------------------------------------------------------------------
@@ -242,7 +250,8 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
   float *gh = P<float>(gh_), *qd = P<float>(qd_);
   const int64_t units = (I + 31) / 32, kt_n = d.Hp / kBlockK;
   if (lora)
-    lora::rank_phase(sched_, K_->lora, off, E, lora->b, lora->rank, H, P<const void>(gy), gy_bf16, gy_stride, tok, qd);
+    lora::rank_phase(sched_, "bwd down: lora B^T g", K_->lora, off, E, lora->b, lora->rank, H, P<const void>(gy),
+                     gy_bf16, gy_stride, tok, qd);
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
     const int64_t p = t.unit, ncol = std::min<int64_t>(32, I - p * 32), m = t.r1 - t.r0;
     int8_t* s = sched_.scratch_blocks(pool, tid, 2 * kt_n);
@@ -263,12 +272,15 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
       for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + r) * I + p * 32, C + r * 32, ncol * 4);
     }
   };
-  sched_.run_split(off, poff, E, units, /*split_units=*/true, 0, kBwdTaskRows, task);
+  {
+    const auto span = sched_.phase_clock().span("bwd down: gemm");
+    sched_.run_split(off, poff, E, units, /*split_units=*/true, 0, kBwdTaskRows, task);
+  }
   if (lora) {
-    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row, h, false, ldh,
-                     nullptr);
-    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row, P<const void>(gy),
-                     gy_bf16, gy_stride, tok);
+    lora::grad_phase(sched_, "bwd down: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row,
+                     h, false, ldh, nullptr);
+    lora::grad_phase(sched_, "bwd down: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row,
+                     P<const void>(gy), gy_bf16, gy_stride, tok);
   }
 }
 
@@ -276,6 +288,7 @@ void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uin
                      uintptr_t off_, uintptr_t poff_, int64_t E, int64_t I, uintptr_t gate_scales, uintptr_t up_scales,
                      uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t ggu32_, uintptr_t grad_w_,
                      uintptr_t order_) {
+  const auto span = sched_.phase_clock().span("bwd act");
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_), *order = P<const int64_t>(order_);
   const float *gh = P<const float>(gh_), *h = P<const float>(h_), *g = P<const float>(g_), *u = P<const float>(u_);
   const float *w_row = P<const float>(w_row_), *gs = P<const float>(gate_scales), *us = P<const float>(up_scales);
@@ -313,7 +326,9 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
   const int32_t* tok = P<const int32_t>(tok_);
   float *parts = P<float>(parts_), *qg = P<float>(qg_);
   const int64_t R = off[E], units = (H + 31) / 32, half = d.Ip / kBlockK;
-  if (lora) lora::rank_phase(sched_, K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu32, false, 2 * I, nullptr, qg);
+  if (lora)
+    lora::rank_phase(sched_, "bwd gate_up: lora B^T g", K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu32, false,
+                     2 * I, nullptr, qg);
   auto task = [&](const Task& t, int pool, int tid, int64_t k0, int64_t k1) {
     const int64_t np = t.unit, nc = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0, nk = k1 - k0;
     int8_t* s = sched_.scratch_blocks(pool, tid, 2 * nk);
@@ -339,12 +354,15 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
       for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + r) * H + np * 32, C + r * 32, nc * 4);
     }
   };
-  sched_.run_split(off, poff, E, units, /*split_units=*/false, 2 * half, kBwdTaskRows, task);
+  {
+    const auto span = sched_.phase_clock().span("bwd gate_up: gemm");
+    sched_.run_split(off, poff, E, units, /*split_units=*/false, 2 * half, kBwdTaskRows, task);
+  }
   if (lora) {
-    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H, qg, nullptr, P<const void>(x),
-                     x_bf16, x_stride, tok);
-    lora::grad_phase(sched_, K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax, nullptr, ggu32, false,
-                     2 * I, nullptr);
+    lora::grad_phase(sched_, "bwd gate_up: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H, qg,
+                     nullptr, P<const void>(x), x_bf16, x_stride, tok);
+    lora::grad_phase(sched_, "bwd gate_up: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax,
+                     nullptr, ggu32, false, 2 * I, nullptr);
   }
 }
 

@@ -25,6 +25,8 @@ class Engine {
 
   int num_threads() const { return sched_.num_threads(); }
   int num_pools() const { return sched_.num_pools(); }
+  // wall time per phase, while switched on (phase_clock_binding.hpp)
+  ktcore::PhaseClock& phase_clock() { return sched_.phase_clock(); }
   std::string kernels() const { return K_->name; }
 
   // src [E, N, K] fp32 or bf16, contiguous -> codes in dst (block layout, rup(N,64) x rup(K,64) per expert) and

@@ -127,11 +127,13 @@ inline void grad_columns(const Leaves& L, const Factor& grad, int rank, float sc
   L.store(acc, nc, scale, rank, nc, grad.at_mut(e, c0), grad.bf16, grad.s_rank, grad.s_col);
 }
 
-// The prologue as a phase of its own on `sched` (a scheduler whose run_tasks spreads tasks over its pools, with a
-// lora_scratch per thread): q[r] = F_e src_r for every row r of every expert, rank_tasks' tasks.
+// The prologue as a phase of its own on `sched` (a PoolGroup whose run_tasks spreads tasks over its pools, with a
+// lora_scratch per thread), timed as `label` on its phase clock: q[r] = F_e src_r for every row r of every expert,
+// rank_tasks' tasks.
 template <class Sched>
-void rank_phase(Sched& sched, const Leaves& L, const int64_t* off, int64_t E, const Factor& f, int rank, int64_t n,
+void rank_phase(Sched& sched, const char* label, const Leaves& L, const int64_t* off, int64_t E, const Factor& f, int rank, int64_t n,
                 const void* src, bool src_bf16, int64_t lds, const int32_t* rows, float* q) {
+  const auto span = sched.phase_clock().span(label);
   const std::vector<std::array<int64_t, 3>> tasks = rank_tasks(off, E);
   sched.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
     const auto& t = tasks[i];
@@ -139,13 +141,14 @@ void rank_phase(Sched& sched, const Leaves& L, const int64_t* off, int64_t E, co
   });
 }
 
-// The gradients as a phase of their own on `sched`, after the backward GEMM's: grad[e][:, c] = scale * sum_r u_r
-// (w_r) v_r[c] for c < n (grad_columns), grad_tasks' tasks; v: rows[r] (rows null: row r) of a fp32 or bf16
-// matrix, ldv elements apart.
+// The gradients as a phase of their own on `sched`, after the backward GEMM's, timed as `label`: grad[e][:, c] =
+// scale * sum_r u_r (w_r) v_r[c] for c < n (grad_columns), grad_tasks' tasks; v: rows[r] (rows null: row r) of a
+// fp32 or bf16 matrix, ldv elements apart.
 template <class Sched>
-void grad_phase(Sched& sched, const Leaves& L, const int64_t* off, int64_t E, const Factor& grad, int rank,
+void grad_phase(Sched& sched, const char* label, const Leaves& L, const int64_t* off, int64_t E, const Factor& grad, int rank,
                 float scale, int64_t n, const float* u, const float* w, const void* v, bool v_bf16, int64_t ldv,
                 const int32_t* rows) {
+  const auto span = sched.phase_clock().span(label);
   const std::vector<std::array<int64_t, 2>> tasks = grad_tasks(off, E, n);
   sched.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
     const auto [e, c0] = tasks[i];

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "ktcore/phase_clock.hpp"
 #include "ktcore/thread_pool.hpp"
 
 namespace ktcore {
@@ -39,6 +40,8 @@ class PoolGroup {
   ThreadPool& pool(int p) { return *pools_[p]; }
   // pool 0, for work that is not split by expert (routing, gathers, the combine)
   ThreadPool& first_pool() { return *pools_[0]; }
+  // the wall time of the engine's phases, while switched on
+  PhaseClock& phase_clock() { return clock_; }
 
   // Runs fn(tasks[p][i], p, tid, kr[p].first, kr[p].second) for every task of every pool p, all pools at once.
   template <class Task, class F>
@@ -92,6 +95,7 @@ class PoolGroup {
   }
 
   std::vector<std::unique_ptr<ThreadPool>> pools_;
+  PhaseClock clock_;
 };
 
 }  // namespace ktcore
