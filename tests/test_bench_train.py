@@ -36,6 +36,9 @@ def test_every_run_reports_its_speed_split_memory_and_kernel_time(tmp_path):
         assert row["shape"] == "deepseek-v2-lite (tiny)" and row["backend"]
         assert row["tok_s"] > 0 and row["step_s"] > 0 and row["peak_host_gib"] > 0 and row["peak_gpu_gib"] is None
         assert row["kernel_s"] > 0 and row["kernel_no_lora_s"] > 0 and row["overhead_ratio"] > 0
+        assert row["kernel_step_routing_s"] > 0 and row["routing_max_over_mean"] >= 1
+        assert row["overhead_ratio"] == pytest.approx(
+            row["step_s"] / (row["kernel_step_routing_s"] + row["split"]["gpu_busy_s"]))
         split = row["split"]
         assert set(split) == set(SPLIT)
         assert split["cpu_experts_s"] > 0 and split["gpu_busy_s"] > 0 and split["copies_s"] >= 0
@@ -112,6 +115,28 @@ def test_kept_model_is_timed_again_with_attention_only_checkpointing(tmp_path):
     assert row["gradient_checkpointing"] is True and row["error"] is None and row["tok_s"] > 0
     assert row["kernel_s"] is None and row["overhead_ratio"] is None
     assert (scratch / "model").is_dir()  # --model: never deleted
+
+
+def test_kernels_at_a_step_routing_time_every_layer_and_say_how_uneven_it_was(tmp_path):
+    """kernel_time_routed: each layer called at the routing given for it, and routing_max_over_mean the busiest
+    expert's rows over the mean: 1 when every expert gets as many rows, E / k when every token picks the same k."""
+    from ktcore.commands.bench_train import kernel_time_routed
+
+    model_dir = write_random_model(make_config(SHAPES["deepseek-v2-lite"], tiny=True), tmp_path / "model")
+    model = ktcore.load_model(model_dir, {"kt_backend": "torch"}, dtype=torch.float32, progress=False)
+    (name_a, a), (name_b, b) = model.ktcore.layers.items()
+    experts, k = model.get_submodule(name_a).gate_up_proj.shape[0], model.config.num_experts_per_tok
+    tokens = 2 * experts
+    even = torch.stack([(torch.arange(k) + t) % experts for t in range(tokens)])
+    same = torch.arange(k).repeat(tokens, 1)
+    weights = torch.full((tokens, k), 1.0 / k)
+    routed = kernel_time_routed(model, {a: (even, weights), b: (same, weights)}, 2, 0.02, True, torch.float32)
+    assert routed["kernel_step_routing_s"] > 0
+    assert routed["routing_max_over_mean"] == pytest.approx((1 + experts / k) / 2)
+    untimed = kernel_time_routed(model, {b: (same, weights)}, 2, 0, False, torch.float32)
+    assert untimed == {"kernel_step_routing_s": None, "routing_max_over_mean": pytest.approx(experts / k)}
+    assert kernel_time_routed(model, {}, 2, 0.02, True) == {"kernel_step_routing_s": None,
+                                                             "routing_max_over_mean": None}
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -347,35 +347,74 @@ def loss_curve(model, tokens: int, steps: int, device: torch.device) -> list:
     return losses
 
 
+def _experts_shape(model, name: str) -> tuple:
+    """(experts, 2 x intermediate, hidden) of the experts module ``name``, under PEFT's wrappers if any."""
+    module = model.get_submodule(name)
+    return tuple((module.get_base_layer() if hasattr(module, "get_base_layer") else module).gate_up_proj.shape)
+
+
+def _layer_call(model, name: str, tokens: int, rank: int, dtype, ids=None, weights=None):
+    """A forward + backward call of the CPU-backend expert layer ``name`` on random activations, through
+    submit/wait from another thread than the main one, as in training: ``call(lora: bool)``. Routing: ``ids`` and
+    ``weights`` ([tokens, k]) where given, else uniform random; LoRA: random factors of rank ``rank``."""
+    from ..experts import ExpertLoRA
+
+    layer = model.ktcore.layers[name]
+    num, rows, hidden = _experts_shape(model, name)
+    inter, k = rows // 2, model.config.num_experts_per_tok
+    g = torch.Generator().manual_seed(0)
+    if ids is None:
+        ids = torch.rand(tokens, num, generator=g).topk(k, dim=1).indices
+        weights = torch.softmax(torch.rand(tokens, k, generator=g), dim=1)
+    x = torch.randn(len(ids), hidden, generator=g).to(dtype)
+    factors = [torch.randn(*s, generator=g) * 0.01 for s in ((num, rank, hidden), (num, rows, rank),
+                                                               (num, rank, inter), (num, hidden, rank))]
+    grad_y = torch.randn(len(ids), hidden, generator=g).to(dtype)
+    backend, packed = layer.backend, layer.packed
+
+    def call(lora: bool):
+        factors_ = ExpertLoRA(*factors, gate_up_scale=2.0, down_scale=2.0) if lora else None
+        _, ctx = backend.wait(backend.submit_forward(packed, x, ids, weights, factors_, True))
+        backend.wait(backend.submit_backward(packed, ctx, grad_y, factors_))
+
+    return call
+
+
 def kernel_time(model, tokens: int, rank: int, seconds: float, dtype=torch.bfloat16) -> dict:
     """Forward + backward seconds of the model's CPU-backend expert layers at ``tokens`` tokens, called on the
-    backend alone (random routing, random LoRA factors of rank r), summed over the layers; with and without
-    expert LoRA (None for both when ``seconds`` is 0)."""
+    backend alone (uniform random routing, random LoRA factors of rank r), summed over the layers; with and
+    without expert LoRA (None for both when ``seconds`` is 0)."""
     from ..experts.probe import median_time
-    from ..experts import ExpertLoRA
 
     layers = model.ktcore.layers
     if not layers or not seconds:
         return {"kernel_s": None, "kernel_no_lora_s": None}
-    name, layer = next(iter(layers.items()))
-    num, rows, hidden = model.get_submodule(name).gate_up_proj.shape
-    inter, k = rows // 2, model.config.num_experts_per_tok
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    ids = torch.rand(tokens, num, generator=g).topk(k, dim=1).indices
-    w = torch.softmax(torch.rand(tokens, k, generator=g), dim=1)
-    factors = [torch.randn(*s, generator=g) * 0.01 for s in ((num, rank, hidden), (num, rows, rank),
-                                                               (num, rank, inter), (num, hidden, rank))]
-    grad_y = torch.randn(tokens, hidden, generator=g).to(dtype)
-    backend, packed = layer.backend, layer.packed
-
-    def step(lora):  # through submit/wait, from another thread than the main one, as in training
-        _, ctx = backend.wait(backend.submit_forward(packed, x, ids, w, lora, True))
-        backend.wait(backend.submit_backward(packed, ctx, grad_y, lora))
-
-    with_lora = median_time(lambda: step(ExpertLoRA(*factors, gate_up_scale=2.0, down_scale=2.0)), seconds)
-    without = median_time(lambda: step(None), seconds)
+    call = _layer_call(model, next(iter(layers)), tokens, rank, dtype)
+    with_lora = median_time(lambda: call(True), seconds)
+    without = median_time(lambda: call(False), seconds)
     return {"kernel_s": with_lora * len(layers), "kernel_no_lora_s": without * len(layers)}
+
+
+def kernel_time_routed(model, routing: dict, rank: int, seconds: float, lora: bool, dtype=torch.bfloat16) -> dict:
+    """The same with each layer routed as it was in a training step (``routing``: ``Timeline.routing``), every
+    layer timed (``seconds`` shared among them): ``kernel_step_routing_s``, summed over the layers; and how
+    uneven that routing was, ``routing_max_over_mean`` (the busiest expert's rows over the mean, averaged over
+    the layers; uniform random routing of 2,048 tokens to 6 of 64 experts gives about 1.2)."""
+    from ..experts.probe import median_time
+
+    total, uneven = 0.0, []
+    for name, layer in model.ktcore.layers.items():
+        if layer not in routing:
+            continue
+        ids, weights = routing[layer]
+        experts = _experts_shape(model, name)[0]
+        counts = torch.bincount(ids.flatten().long(), minlength=experts).float()
+        uneven.append((counts.max() / counts.mean()).item())
+        if seconds:
+            call = _layer_call(model, name, len(ids), rank, dtype, ids, weights)
+            total += median_time(lambda: call(lora), seconds / len(routing))
+    return {"kernel_step_routing_s": total if seconds and uneven else None,
+            "routing_max_over_mean": sum(uneven) / len(uneven) if uneven else None}
 
 
 def _error_line(exc: BaseException) -> str:
@@ -526,10 +565,13 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                     step_off = step_s
                 elif step_off is not None:
                     split["expert_lora_s"] = step_s - step_off
-                denominator = (kernels["kernel_s"] or 0) + split["gpu_busy_s"]
+                # the same layers at the routing the step had, LoRA on or off as in the step: the ratio's kernels
+                routed = kernel_time_routed(base, timeline.routing if placement == "cpu" else {}, settings.rank,
+                                            settings.kernel_seconds, expert_lora, settings.dtype)
+                kernel_s = routed["kernel_step_routing_s"]
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, step_s=step_s,
-                           tok_s=tokens / step_s, split=split, **kernels,
-                           overhead_ratio=step_s / denominator if kernels["kernel_s"] else None,
+                           tok_s=tokens / step_s, split=split, **kernels, **routed,
+                           overhead_ratio=step_s / (kernel_s + split["gpu_busy_s"]) if kernel_s else None,
                            peak_gpu_gib=timed["peak_gpu_gib"], peak_host_gib=timed["peak_host_gib"],
                            host_lora_gib=host_factor_bytes(base) / GIB, memory=timed["memory"],
                            auto_choice=auto and auto_choices(auto, tokens), error=None)
@@ -716,6 +758,7 @@ COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), (
            ("h2d_gb", "h2d GB"), ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"),
            ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
+           ("kernel_step_routing_s", "kernels, step routing"), ("routing_max_over_mean", "routing max/mean"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
            ("peak_host_gib", "peak host GiB"), ("expert_gib", "expert GiB"), ("host_lora_gib", "host LoRA GiB"),
            ("gpu_experts_gib", "gpu experts GiB"), ("gpu_experts_refreshes", "refreshes"),

@@ -321,6 +321,8 @@ class ExpertJob:
         layer, backend = self.layer, self.layer.backend
         try:
             x, ids, w = inputs.wait()
+            if self.timeline:
+                self.timeline.routed(layer, ids, w)
             self.lora = self._host_lora(lora)
             start = time.perf_counter()
             y, saved = backend.wait(backend.submit_forward(layer.packed, x, ids, w, self.lora, save))

@@ -20,6 +20,7 @@ class Timeline:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self.routing = {}  # ExpertLayer -> (topk ids, topk weights) on the host, of its last call
         self.reset()
 
     def reset(self) -> None:
@@ -36,6 +37,10 @@ class Timeline:
     def host_waited(self, seconds: float) -> None:
         with self._lock:
             self.host_wait += seconds
+
+    def routed(self, layer, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        with self._lock:
+            self.routing[layer] = (ids, weights)
 
     @staticmethod
     def gpu_mark(stream) -> "torch.cuda.Event":
@@ -94,6 +99,10 @@ class LayerClock:
     def host_waited(self, seconds: float) -> None:
         if self.step:
             self.step.host_waited(seconds)
+
+    def routed(self, layer, ids, weights) -> None:
+        if self.step:
+            self.step.routed(layer, ids, weights)
 
     def gpu_mark(self, stream):
         return self.step.gpu_mark(stream) if self.step else None
