@@ -35,6 +35,14 @@ PLANTS = [
     Plant("gate_up and down LoRA scales swapped where ExpertLayer hands them to autograd",
           (("scales = (lora.gate_up_scale, lora.down_scale)", "scales = (lora.down_scale, lora.gate_up_scale)"),),
           ("tests/test_torch_backend.py", "backends/amx_bf16/tests/test_amx_bf16.py", "-k", "Contract")),
+    Plant("amx_bf16 computes the expert-LoRA gradients before it hands back the input gradient",
+          (('            prof("bwd.lora_grads")\n'
+            "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n\n"
+            "        return grad_x, grad_w, lora_grads\n",
+            '            prof("bwd.lora_grads")\n'
+            "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n\n"
+            "        grads = lora_grads()\n        return grad_x, grad_w, lambda: grads\n"),),
+          ("backends/amx_bf16/tests/test_amx_bf16.py", "-k", "second_part")),
     Plant("sha256_file hashes only the first MiB",
           (("        while block := f.read(chunk):\n            h.update(block)\n", "        h.update(f.read(chunk))\n"),),
           ("tests/test_adapters.py",)),

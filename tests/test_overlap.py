@@ -3,6 +3,8 @@ waiting at once, hands the backward to the backend before the shared experts' ba
 shared-experts module that does not run after the routed experts."""
 
 import dataclasses
+import threading
+from typing import Optional
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 
 import ktcore
 from ktcore.experts import ExpertJob
+from ktcore.experts.probe import Shape, make_problem
 from ktcore.model.overlap import install_overlap, set_overlap
 from ktcore.experts.timeline import attach
 
@@ -217,3 +220,95 @@ def test_native_results_reach_the_gpu_without_a_host_copy(tmp_path, monkeypatch,
     assert all(p.grad is not None for n, p in peft_model.named_parameters() if "experts" in n and p.requires_grad)
     assert all(layer.backend.pin_outputs for layer in model.ktcore.layers.values())
     assert copied == [], copied
+
+
+# -- the expert-LoRA gradients apart from the input gradient ----------------------------------------------------
+def _held_lora_grads(backend, gate: threading.Event, fail: Optional[str] = None):
+    """backend's backward_parts with its LoRA gradients held at ``gate`` (or failing with ``fail``)."""
+    parts = backend.backward_parts
+
+    def held(packed, ctx, grad_y, lora=None):
+        grad_x, grad_w, lora_grads = parts(packed, ctx, grad_y, lora)
+
+        def later():
+            assert gate.wait(30)
+            if fail:
+                raise RuntimeError(fail)
+            return lora_grads()
+
+        return grad_x, grad_w, later
+
+    backend.backward_parts = held
+
+
+def test_the_input_gradient_comes_back_while_the_expert_lora_gradients_are_computed():
+    """submit_backward_parts: (grad_x, grad_w) are there while the LoRA gradients are still held back, and both
+    parts equal one plain backward."""
+    backend = ktcore.get_backend("torch", {"kt_backend": "torch"}, need_backward=True, need_lora=True)
+    weights, x, ids, w, lora = make_problem(Shape("p", 6, 2, 24, 16, (9,)), 9, torch.float32, lora_rank=3)
+    packed = backend.pack(weights)
+    grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    want = backend.backward(packed, backend.forward(packed, x, ids, w, lora, save=True)[1], grad_y, lora)
+    gate = threading.Event()
+    _held_lora_grads(backend, gate)
+    first, rest = backend.submit_backward_parts(packed, backend.forward(packed, x, ids, w, lora, save=True)[1],
+                                                grad_y, lora)
+    grad_x, grad_w = first.result(timeout=30)
+    assert not rest.done()
+    gate.set()
+    got = rest.result(timeout=30)
+    assert torch.equal(grad_x, want[0]) and torch.equal(grad_w, want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want[2].tensors()))
+
+
+@pytest.mark.parametrize("fail", ["main", "lora"])
+def test_a_failing_backward_part_raises_from_the_training_step(fail):
+    """Whichever part of the backend's backward fails, loss.backward() raises its error (nothing hangs, nothing
+    is lost): the input gradient's in ExpertsFunction's node, the LoRA gradients' in ExpertLoRAGradients'."""
+    model, peft_model = lora_model("deepseek_v2")
+    for layer in model.ktcore.layers.values():
+        backend = layer.backend = type(layer.backend)(layer.backend.config)
+        gate = threading.Event()
+        gate.set()
+        if fail == "lora":
+            _held_lora_grads(backend, gate, fail="the lora part failed")
+        else:
+            def broken(*args, **kwargs):
+                raise RuntimeError("the main part failed")
+
+            backend.backward_parts = broken
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(RuntimeError, match=f"the {fail} part failed"):
+        peft_model(ids, labels=ids).loss.backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_expert_lora_gradients_are_awaited_off_the_gpus_backward_thread(tmp_path, monkeypatch):
+    """With the model on a GPU, autograd runs ExpertsFunction's backward on the GPU's own thread and
+    ExpertLoRAGradients' (reached through a CPU scalar) on the thread that called backward(): the wait for the
+    LoRA gradients never holds up the device's backward. Every layer's factors still get their gradients."""
+    threads = {"input": set(), "lora": set()}
+    finish, finish_lora = ExpertJob.finish_backward, ExpertJob.finish_lora_backward
+
+    def recording(kind, method):
+        def record(job):
+            threads[kind].add(threading.get_ident())
+            return method(job)
+        return record
+
+    monkeypatch.setattr(ExpertJob, "finish_backward", recording("input", finish))
+    monkeypatch.setattr(ExpertJob, "finish_lora_backward", recording("lora", finish_lora))
+    tiny_model("deepseek_v2", num_hidden_layers=4).save_pretrained(tmp_path / "model")
+    model = ktcore.load_model(tmp_path / "model", {"kt_backend": "torch"}, device="cuda", dtype=torch.bfloat16,
+                              progress=False)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                                  target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"]))
+    ids = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(5)).cuda()
+    peft_model(ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    assert threads["lora"] == {threading.get_ident()}
+    assert threading.get_ident() not in threads["input"] and len(threads["input"]) == 1
+    experts = [p for n, p in peft_model.named_parameters() if "experts" in n and p.requires_grad]
+    assert len(experts) == 3 * 2 * 2 and all(p.grad is not None and p.grad.norm() > 0 for p in experts)

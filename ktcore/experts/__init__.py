@@ -110,7 +110,9 @@ class ExpertLoRAGrads:
 
 @runtime_checkable
 class ExpertBackend(Protocol):
-    """What a backend implements. ``ExpertBackendBase`` supplies ``pack_source`` (None) and the async variants."""
+    """What a backend implements. ``ExpertBackendBase`` supplies ``pack_source`` (None), the async variants and
+    ``backward_parts`` / ``submit_backward_parts`` (the expert-LoRA gradients after the input gradient; a backend
+    without them is called through ``submit_backward``)."""
 
     name: str
 
@@ -174,6 +176,30 @@ class ExpertBackendBase:
 
     def submit_backward(self, packed, ctx, grad_y, lora=None) -> Future:
         return self._pool().submit(self.backward, packed, ctx, grad_y, lora)
+
+    def backward_parts(self, packed, ctx, grad_y, lora=None):
+        """``backward`` in two parts: ``(grad_x, grad_topk_weights, lora_grads)``, where ``lora_grads()`` returns the
+        expert-LoRA gradients. The native backends compute them only then, so that the input gradient can go on
+        first (``submit_backward_parts``); by default ``backward`` computes everything at once."""
+        grad_x, grad_w, grads = self.backward(packed, ctx, grad_y, lora)
+        return grad_x, grad_w, lambda: grads
+
+    def submit_backward_parts(self, packed, ctx, grad_y, lora=None) -> tuple[Future, Future]:
+        """``submit_backward`` with the results in two handles: ``(grad_x, grad_topk_weights)`` once the backend has
+        them, then the expert-LoRA gradients, both from one task on the backend's worker (nothing else runs on the
+        backend in between: ``lora_grads`` may read the call's workspace)."""
+        first = Future()
+
+        def run():
+            try:
+                grad_x, grad_w, lora_grads = self.backward_parts(packed, ctx, grad_y, lora)
+            except BaseException as exc:
+                first.set_exception(exc)
+                raise
+            first.set_result((grad_x, grad_w))
+            return lora_grads()
+
+        return first, self._pool().submit(run)
 
     def wait(self, handle: Future):
         return handle.result()
@@ -255,7 +281,8 @@ class ExpertLayer:
         scales = (lora.gate_up_scale, lora.down_scale) if lora else (1.0, 1.0)
         job = ExpertJob(self, scales, x, topk_weights, lora_tensors)
         deferred = self.overlap is not None and self.overlap.defers(x)
-        y = ExpertsFunction.apply(job, deferred, x, topk_ids, topk_weights, *lora_tensors)
+        link = ExpertLoRAGradients.apply(job, *lora_tensors) if lora else None
+        y = ExpertsFunction.apply(job, deferred, x, topk_ids, topk_weights, link)
         if deferred:
             self.overlap.hold(job, y)  # made valid (ExpertsResult) once the shared experts are enqueued
         replay.record(y)
@@ -284,6 +311,7 @@ class ExpertJob:
         # (kt_expert_lora_device: host) stay there, neither pinned nor copied to the device
         self.lora_meta = [None if t is None else (tuple(t.shape), t.dtype, t.device.type == "cpu")
                           for t in lora_dev]
+        self.lora_dev = lora_dev
         self.future = None
         self.mark = None  # see CudaStaging.alloc_mark
         self.needs_grad = False
@@ -292,15 +320,16 @@ class ExpertJob:
         self.inputs = None  # (x, ids, w) on the host, when backward recomputes the activations
         self.backward_submitted = False
         self.grad_targets = None
+        self.input_grads = None  # Future: [grad_x, grad_w] pinned, before the expert-LoRA gradients (self.future)
 
     # -- forward -----------------------------------------------------------------------------------------------
-    def submit_forward(self, x, topk_ids, topk_weights, lora_dev, needs_grad: bool, deferred: bool):
+    def submit_forward(self, x, topk_ids, topk_weights, needs_grad: bool, deferred: bool):
         """Start the forward; returns the device tensor the result will be written to (None: a new one)."""
         layer = self.layer
         inputs = self.staging.to_host([x, topk_ids, topk_weights], self.timeline)
         lora = None
-        if any(t is not None for t in lora_dev):
-            staged_lora = self.staging.to_host(lora_dev, self.timeline, "lora_copy")
+        if any(t is not None for t in self.lora_dev):
+            staged_lora = self.staging.to_host(self.lora_dev, self.timeline, "lora_copy")
             lora = (staged_lora, self.scales)
         self.needs_grad = needs_grad
         save = needs_grad and not layer.recompute and layer.budget.acquire()
@@ -373,58 +402,87 @@ class ExpertJob:
             self.grad_targets = [None if m is None else torch.empty(m[0], dtype=m[1], device=device)
                                  for m in metas]
             self.mark = self.staging.alloc_mark()
+        self.input_grads = Future()
         self.future = stager().submit(self._run_backward, staged)
 
     def _run_backward(self, staged):
+        """On the stager: [grad_x, grad_w] into ``input_grads`` as soon as the backend has them, then the expert-LoRA
+        gradients as this task's result (the backend computes them meanwhile: ``submit_backward_parts``)."""
         layer, backend = self.layer, self.layer.backend
-        (grad_y,) = staged.wait()
-        start = time.perf_counter()
-        if self.slot is not None:
-            saved = self.slot.take()
-        else:  # recompute the activations from the saved inputs
-            x, ids, w = self.inputs
-            _, saved = backend.wait(backend.submit_forward(layer.packed, x, ids, w, self.lora, True))
-        grad_x, grad_w, lora_grads = backend.wait(backend.submit_backward(layer.packed, saved, grad_y, self.lora))
-        del saved
-        pinning = time.perf_counter()
         pin = self.staging.pin
-        grads = [pin(grad_x, self.x_meta[1]), pin(grad_w, self.w_meta[1])]
-        grads += [None if g is None or m is None else g.to(m[1]) if m[2] else pin(g, m[1])
-                  for g, m in zip(lora_grads.tensors(), self.lora_meta)]
+        try:
+            (grad_y,) = staged.wait()
+            start = time.perf_counter()
+            if self.slot is not None:
+                saved = self.slot.take()
+            else:  # recompute the activations from the saved inputs
+                x, ids, w = self.inputs
+                _, saved = backend.wait(backend.submit_forward(layer.packed, x, ids, w, self.lora, True))
+            if hasattr(backend, "submit_backward_parts"):  # ExpertBackendBase's
+                first, rest = backend.submit_backward_parts(layer.packed, saved, grad_y, self.lora)
+                grad_x, grad_w = backend.wait(first)
+                lora_grads = lambda: backend.wait(rest)  # noqa: E731
+            else:
+                grad_x, grad_w, grads = backend.wait(backend.submit_backward(layer.packed, saved, grad_y, self.lora))
+                lora_grads = lambda: grads  # noqa: E731
+            del saved
+            got = time.perf_counter()
+            self.input_grads.set_result([pin(grad_x, self.x_meta[1]), pin(grad_w, self.w_meta[1])])
+        except BaseException as exc:
+            self.input_grads.set_exception(exc)
+            raise
+        pinned = time.perf_counter()
+        grads = lora_grads().tensors()
+        computed = time.perf_counter()
+        grads = [None if g is None or m is None else g.to(m[1]) if m[2] else pin(g, m[1])
+                 for g, m in zip(grads, self.lora_meta)]
         if self.timeline:
-            self.timeline.cpu_span("experts", pinning - start)
-            self.timeline.cpu_span("pin", time.perf_counter() - pinning)
+            self.timeline.cpu_span("experts", got - start + computed - pinned)
+            self.timeline.cpu_span("pin", pinned - got + time.perf_counter() - computed)
         return grads
 
     def finish_backward(self) -> list:
-        """Wait for the backward: [grad_x, grad_topk_weights, *expert-LoRA grads] on the model's device."""
+        """Wait for the input gradients: [grad_x, grad_topk_weights] on the model's device."""
         idle_since = self._device_idle_mark()
-        grads = self._result()
-        targets = self.grad_targets or [None] * len(grads)
-        out = self.staging.to_device(grads[:2], targets[:2], self.mark, self.timeline, idle_since=idle_since)
+        start = time.perf_counter()
+        try:
+            grads = self.input_grads.result()
+        finally:
+            if self.timeline:
+                self.timeline.host_waited(time.perf_counter() - start)
+        targets = self.grad_targets or [None] * 2
+        return self.staging.to_device(grads, targets[:2], self.mark, self.timeline, idle_since=idle_since)
+
+    def finish_lora_backward(self) -> list:
+        """Wait for the expert-LoRA gradients (computed after the input gradients): four tensors or None, on the
+        model's device, or in host memory for factors kept there."""
+        grads = self.future.result()
+        targets = self.grad_targets[2:] if self.grad_targets else [None] * len(grads)
         on_host = [m is not None and m[2] for m in self.lora_meta]
-        to_copy = [None if host else g for g, host in zip(grads[2:], on_host)]
+        to_copy = [None if host else g for g, host in zip(grads, on_host)]
         copied = [None] * len(to_copy)
         if any(g is not None for g in to_copy):
-            copied = self.staging.to_device(to_copy, targets[2:], self.mark, self.timeline, "lora_copy")
-        return out + [g if host else c for g, c, host in zip(grads[2:], copied, on_host)]
+            copied = self.staging.to_device(to_copy, targets, self.mark, self.timeline, "lora_copy")
+        return [g if host else c for g, c, host in zip(grads, copied, on_host)]
 
 
 class ExpertsFunction(torch.autograd.Function):
-    """Autograd node for the routed experts of one layer, computed by a CPU backend.
+    """Autograd node for the routed experts of one layer, computed by a CPU backend. Its gradients are the input's
+    and the routing weights'; the expert-LoRA factors' come through ``lora_link`` (``ExpertLoRAGradients``).
 
     Deferred (``ExpertLayer.overlap``): forward returns a tensor the backend has not filled yet; ``ExpertsResult``
     fills it in place before anything reads it.
     """
 
     @staticmethod
-    def forward(ctx, job: ExpertJob, deferred: bool, x, topk_ids, topk_weights, gu_a, gu_b, d_a, d_b):
+    def forward(ctx, job: ExpertJob, deferred: bool, x, topk_ids, topk_weights, lora_link):
         needs_grad = any(ctx.needs_input_grad)
-        y = job.submit_forward(x, topk_ids, topk_weights, (gu_a, gu_b, d_a, d_b), needs_grad, deferred)
+        y = job.submit_forward(x, topk_ids, topk_weights, needs_grad, deferred)
         if not deferred:
             y = job.finish_forward(y)
         if needs_grad:
             ctx.job = job
+            ctx.linked = lora_link is not None
         return y
 
     @staticmethod
@@ -432,8 +490,27 @@ class ExpertsFunction(torch.autograd.Function):
         job = ctx.job
         if not job.backward_submitted:
             job.submit_backward(grad_y)
-        grad_x, grad_w, *grads_lora = job.finish_backward()
-        return (None, None, grad_x, None, grad_w, *grads_lora)
+        grad_x, grad_w = job.finish_backward()
+        return None, None, grad_x, None, grad_w, torch.zeros(()) if ctx.linked else None
+
+
+class ExpertLoRAGradients(torch.autograd.Function):
+    """The expert-LoRA factors' own autograd node: its output, a CPU scalar, is ``ExpertsFunction``'s
+    ``lora_link``. The backend computes the factors' gradients after the input gradient
+    (``ExpertBackendBase.submit_backward_parts``), so ``ExpertsFunction.backward`` hands the input gradient on at
+    once; this node's backward waits for the factors' gradients. Reached through a CPU tensor, it runs on the
+    thread that called ``backward()`` (autograd runs a GPU's nodes on that GPU's own thread), so with the model on
+    a GPU the wait does not hold up the device's backward: the CPU computes the LoRA gradients while the GPU runs
+    the layer's attention backward."""
+
+    @staticmethod
+    def forward(ctx, job: ExpertJob, *factors):
+        ctx.job = job
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return None, *ctx.job.finish_lora_backward()
 
 
 class ExpertsResult(torch.autograd.Function):

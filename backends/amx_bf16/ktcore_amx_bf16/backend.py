@@ -226,6 +226,10 @@ class AMXBF16Backend(ExpertBackendBase):
 
     # -- backward ------------------------------------------------------------------------------------------
     def backward(self, packed: AMXPacked, ctx: AMXSaved, grad_y, lora: Optional[ExpertLoRA] = None):
+        grad_x, grad_w, lora_grads = self.backward_parts(packed, ctx, grad_y, lora)
+        return grad_x, grad_w, lora_grads()
+
+    def backward_parts(self, packed: AMXPacked, ctx: AMXSaved, grad_y, lora: Optional[ExpertLoRA] = None):
         if ctx is None:
             raise ValueError("backward needs the context of forward(..., save=True)")
         eng = self._engine
@@ -244,10 +248,10 @@ class AMXBF16Backend(ExpertBackendBase):
         gh = self._ws.get("gh", (R, I), torch.float32)
         qd = self._ws.get("qd", (R, lora_dn.rank), torch.float32) if lora_dn else None
         # gh (and the LoRA's part of it) is taken before the routing weights; bwd_act applies them
+        gy_bf16 = gy_rows.dtype == torch.bfloat16
         eng.bwd_down(gys.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.down.data_ptr(), E, H, I,
-                     gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(),
-                     gy_rows.dtype == torch.bfloat16, gy_rows.stride(0), route.row_tok.data_ptr(),
-                     route.w_row.data_ptr(), ctx.h.data_ptr(), ctx.h.shape[1], address(ctx.ah), address(qd))
+                     gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(), gy_bf16,
+                     gy_rows.stride(0), route.row_tok.data_ptr(), address(qd))
         prof("bwd.down")
         ggu = self._ws.get("ggu", (route.padded_rows, 2 * ip), torch.bfloat16)  # tiled like the gathered rows
         # expert LoRA reads the same bf16 gradients as plain rows (a tiled row is not contiguous)
@@ -263,11 +267,23 @@ class AMXBF16Backend(ExpertBackendBase):
         qg = self._ws.get("qg", (R, lora_gu.rank), torch.float32) if lora_gu else None
         eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
                         packed.up.data_ptr(), E, H, I, parts.data_ptr(), lora_gu and lora_gu.native(_ext()),
-                        address(ggu_rows), ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
-                        route.row_tok.data_ptr(), address(ctx.ax), address(qg))
+                        address(ggu_rows), address(qg))
         prof("bwd.gate_up")
         grad_x = combine_parts(eng, parts, route, False, grad_y.dtype, self.pin_outputs)
         prof("bwd.combine")
         grad_w = grad_w.view(T, K).to(ctx.w_dtype)
-        grads = native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
-        return grad_x, grad_w, grads
+
+        def lora_grads() -> ExpertLoRAGrads:  # reads this call's workspace: before the backend's next call
+            prof = _Prof()
+            if lora_dn:
+                eng.bwd_down_lora_grads(off.data_ptr(), E, H, I, lora_dn.native(_ext()), qd.data_ptr(),
+                                        route.w_row.data_ptr(), ctx.h.data_ptr(), ctx.h.shape[1], ctx.ah.data_ptr(),
+                                        gy_rows.data_ptr(), gy_bf16, gy_rows.stride(0), route.row_tok.data_ptr())
+            if lora_gu:
+                eng.bwd_gate_up_lora_grads(off.data_ptr(), E, H, I, lora_gu.native(_ext()), qg.data_ptr(),
+                                           ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
+                                           route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu_rows.data_ptr())
+            prof("bwd.lora_grads")
+            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
+
+        return grad_x, grad_w, lora_grads

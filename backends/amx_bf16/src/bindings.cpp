@@ -37,5 +37,7 @@ PYBIND11_MODULE(_ext, m) {
       .def("bwd_down", &Engine::bwd_down, G())
       .def("bwd_act", &Engine::bwd_act, G())
       .def("bwd_gate_up", &Engine::bwd_gate_up, G())
+      .def("bwd_down_lora_grads", &Engine::bwd_down_lora_grads, G())
+      .def("bwd_gate_up_lora_grads", &Engine::bwd_gate_up_lora_grads, G())
       .def("memzero", &Engine::memzero, G());
 }

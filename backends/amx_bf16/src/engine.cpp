@@ -292,8 +292,7 @@ void Engine::down(uintptr_t h_, uintptr_t off_, uintptr_t down_, int64_t E, int6
 // down stream.
 void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t down_, int64_t E, int64_t H,
                       int64_t I, uintptr_t gh_, const lora::Projection* lora, uintptr_t gy, bool gy_bf16,
-                      int64_t gy_stride, uintptr_t tok_, uintptr_t w_row_, uintptr_t h_, int64_t ldh, uintptr_t ah_,
-                      uintptr_t qd_) {
+                      int64_t gy_stride, uintptr_t tok_, uintptr_t qd_) {
   Dims d(E, H, I);
   const uint16_t* gys = P<const uint16_t>(gys_);
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
@@ -301,7 +300,6 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
   const uint16_t* dn = P<const uint16_t>(down_);
   float* gh = P<float>(gh_);
   const int32_t* tok = P<const int32_t>(tok_);
-  const float *w_row = P<const float>(w_row_), *ah = P<const float>(ah_);
   float* qd = P<float>(qd_);
   const int64_t nq = d.Hp / 32, units = d.Ip / 32;
   if (lora)
@@ -352,12 +350,17 @@ void Engine::bwd_down(uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t
     const auto span = sched_.phase_clock().span("bwd down: gemm");
     sched_.run_split(off, poff, E, units, /*split_units=*/true, task, 1, 0, kBwdTaskRows, kBwdGroup);
   }
-  if (lora) {
-    lora::grad_phase(sched_, "bwd down: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row,
-                     P<const void>(h_), true, ldh, nullptr);
-    lora::grad_phase(sched_, "bwd down: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row,
-                     P<const void>(gy), gy_bf16, gy_stride, tok);
-  }
+}
+
+void Engine::bwd_down_lora_grads(uintptr_t off_, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
+                                 uintptr_t qd, uintptr_t w_row_, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t gy,
+                                 bool gy_bf16, int64_t gy_stride, uintptr_t tok) {
+  const int64_t* off = P<const int64_t>(off_);
+  const float* w_row = P<const float>(w_row_);
+  lora::grad_phase(sched_, "bwd down: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I,
+                   P<const float>(qd), w_row, P<const void>(h), true, ldh, nullptr);
+  lora::grad_phase(sched_, "bwd down: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H,
+                   P<const float>(ah), w_row, P<const void>(gy), gy_bf16, gy_stride, P<const int32_t>(tok));
 }
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, uintptr_t wrow_, uintptr_t off_,
@@ -385,7 +388,7 @@ void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, uintptr_t g_, uintptr_t u_, ui
 // Task: units = 32 output columns of H = forward k-blocks of gate/up (a group: contiguous in every stream).
 void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintptr_t gate_, uintptr_t up_, int64_t E,
                          int64_t H, int64_t I, uintptr_t parts_, const lora::Projection* lora, uintptr_t ggu_rows_,
-                         uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok_, uintptr_t ax_, uintptr_t qg_) {
+                         uintptr_t qg_) {
   Dims d(E, H, I);
   const uint16_t* ggu = P<const uint16_t>(ggu_);
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
@@ -393,9 +396,7 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
   const uint16_t *gate = P<const uint16_t>(gate_), *up = P<const uint16_t>(up_);
   float* parts = P<float>(parts_);
   const uint16_t* ggu_rows = P<const uint16_t>(ggu_rows_);
-  const float* ax = P<const float>(ax_);
   float* qg = P<float>(qg_);
-  const int32_t* tok = P<const int32_t>(tok_);
   const int64_t R = off[E], units = d.Hp / 32;
   if (lora)
     lora::rank_phase(sched_, "bwd gate_up: lora B^T g", K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu_rows, true,
@@ -454,12 +455,16 @@ void Engine::bwd_gate_up(uintptr_t ggu_, uintptr_t off_, uintptr_t poff_, uintpt
     const auto span = sched_.phase_clock().span("bwd gate_up: gemm");
     sched_.run_split(off, poff, E, units, /*split_units=*/false, task, 1, d.Ip / 32, kBwdTaskRows, kBwdGroup);
   }
-  if (lora) {
-    lora::grad_phase(sched_, "bwd gate_up: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H, qg,
-                     nullptr, P<const void>(x), x_bf16, x_stride, tok);
-    lora::grad_phase(sched_, "bwd gate_up: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax,
-                     nullptr, ggu_rows, true, 2 * I, nullptr);
-  }
+}
+
+void Engine::bwd_gate_up_lora_grads(uintptr_t off_, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
+                                    uintptr_t qg, uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok,
+                                    uintptr_t ax, uintptr_t ggu_rows) {
+  const int64_t* off = P<const int64_t>(off_);
+  lora::grad_phase(sched_, "bwd gate_up: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H,
+                   P<const float>(qg), nullptr, P<const void>(x), x_bf16, x_stride, P<const int32_t>(tok));
+  lora::grad_phase(sched_, "bwd gate_up: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I,
+                   P<const float>(ax), nullptr, P<const void>(ggu_rows), true, 2 * I, nullptr);
 }
 
 void Engine::memzero(uintptr_t p, int64_t nbytes) {

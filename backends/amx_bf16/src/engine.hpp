@@ -56,11 +56,15 @@ class Engine {
 
   // Backward. gh[r, 0:I] = gys[r] @ down_e (down^T tiles derived per task from the packed down: no resident
   // copy). gys: the gathered output gradients, tiled like xs. With LoRA: first qd[r] = B_e gy_tok[r] (fp32 [R, rank];
-  // gy: the output gradient's token rows; like gh, before the routing weights w_row), gh gets scale * A_e^T qd, then
-  // (lora::grad_phase) dA = scale * sum_r w_r qd_r h_r^T and dB = scale * sum_r w_r gy_r ah_r^T (ah: the forward's).
+  // gy: the output gradient's token rows; like gh, before the routing weights), gh gets scale * A_e^T qd.
   void bwd_down(uintptr_t gys, uintptr_t off, uintptr_t poff, uintptr_t down, int64_t E, int64_t H, int64_t I,
                 uintptr_t gh, const lora::Projection* lora, uintptr_t gy, bool gy_bf16, int64_t gy_stride,
-                uintptr_t tok, uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t qd);
+                uintptr_t tok, uintptr_t qd);
+  // Down's LoRA gradients (lora::grad_phase), apart from bwd_down so that the input gradient can leave first:
+  // dA = scale * sum_r w_r qd_r h_r^T and dB = scale * sum_r w_r gy_r ah_r^T (ah: the forward's).
+  void bwd_down_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I, const lora::Projection* lora, uintptr_t qd,
+                           uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t gy, bool gy_bf16,
+                           int64_t gy_stride, uintptr_t tok);
   // per row: grad_w[order[r]] = dot(gh[r], h[r]); ggu[r] = [dL/dg | dL/du] (bf16, Ip each, tiled with padded
   // rows like xs; padding rows zero); ggu_rows, if set (expert LoRA reads it), the same bf16 values as plain rows
   // [R, 2I]
@@ -68,11 +72,15 @@ class Engine {
                int64_t E, int64_t I, uintptr_t ggu, uintptr_t ggu_rows, uintptr_t grad_w, int64_t ldh,
                uintptr_t order);
   // parts[p, r, 0:H] = ggu[r, gate part] @ gate_e + ggu[r, up part] @ up_e, over pool p's slice of I. With LoRA:
-  // first qg[r] = B_e ggu_rows[r] (fp32 [R, rank]), one pool per output block adds scale * A_e^T qg, then
-  // (lora::grad_phase) dA = scale * sum_r qg_r x_r^T and dB = scale * sum_r ggu_rows_r ax_r^T.
+  // first qg[r] = B_e ggu_rows[r] (fp32 [R, rank]), one pool per output block adds scale * A_e^T qg.
   void bwd_gate_up(uintptr_t ggu, uintptr_t off, uintptr_t poff, uintptr_t gate, uintptr_t up, int64_t E,
-                   int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora, uintptr_t ggu_rows, uintptr_t x,
-                   bool x_bf16, int64_t x_stride, uintptr_t tok, uintptr_t ax, uintptr_t qg);
+                   int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora, uintptr_t ggu_rows,
+                   uintptr_t qg);
+  // Gate/up's LoRA gradients, apart like bwd_down_lora_grads: dA = scale * sum_r qg_r x_r^T and dB = scale *
+  // sum_r ggu_rows_r ax_r^T.
+  void bwd_gate_up_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
+                              uintptr_t qg, uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok, uintptr_t ax,
+                              uintptr_t ggu_rows);
 
   // memset without waking torch's CPU threads
   void memzero(uintptr_t p, int64_t nbytes);

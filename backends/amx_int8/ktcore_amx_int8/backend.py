@@ -254,6 +254,10 @@ class AMXInt8Backend(ExpertBackendBase):
 
     # -- backward ------------------------------------------------------------------------------------------
     def backward(self, packed: Int8Packed, ctx: Int8Saved, grad_y, lora: Optional[ExpertLoRA] = None):
+        grad_x, grad_w, lora_grads = self.backward_parts(packed, ctx, grad_y, lora)
+        return grad_x, grad_w, lora_grads()
+
+    def backward_parts(self, packed: Int8Packed, ctx: Int8Saved, grad_y, lora: Optional[ExpertLoRA] = None):
         if ctx is None:
             raise ValueError("backward needs the context of forward(..., save=True)")
         eng = self._engine
@@ -270,10 +274,10 @@ class AMXInt8Backend(ExpertBackendBase):
         gh = self._ws.get("gh", (R, I), torch.float32)
         qd = self._ws.get("qd", (R, lora_dn.rank), torch.float32) if lora_dn else None
         # gh (and the LoRA's part of it) is taken before the routing weights; bwd_act applies them
+        gy_bf16 = gy_rows.dtype == torch.bfloat16
         eng.bwd_down(gyq.data_ptr(), lda_gy, gys.data_ptr(), off.data_ptr(), poff.data_ptr(), packed.down.data_ptr(),
-                     E, H, I, gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(),
-                     gy_rows.dtype == torch.bfloat16, gy_rows.stride(0), route.row_tok.data_ptr(),
-                     route.w_row.data_ptr(), ctx.h.data_ptr(), ip, address(ctx.ah), address(qd))
+                     E, H, I, gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(), gy_bf16,
+                     gy_rows.stride(0), route.row_tok.data_ptr(), address(qd))
         lda_gg = _ld(2 * ip)
         ggq = self._ws.get("ggq", (route.padded_rows, lda_gg), torch.int8)
         ggs = self._ws.get("ggs", (R,), torch.float32)
@@ -289,10 +293,19 @@ class AMXInt8Backend(ExpertBackendBase):
         qg = self._ws.get("qg", (R, lora_gu.rank), torch.float32) if lora_gu else None
         eng.bwd_gate_up(ggq.data_ptr(), lda_gg, ggs.data_ptr(), off.data_ptr(), poff.data_ptr(),
                         packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I, parts.data_ptr(),
-                        lora_gu and lora_gu.native(_ext()), ggu32.data_ptr(), ctx.x.data_ptr(),
-                        ctx.x.dtype == torch.bfloat16, ctx.x.stride(0), route.row_tok.data_ptr(), address(ctx.ax),
-                        address(qg))
+                        lora_gu and lora_gu.native(_ext()), ggu32.data_ptr(), address(qg))
         grad_x = combine_parts(eng, parts, route, False, grad_y.dtype, self.pin_outputs)
         grad_w = grad_w.view(T, K).to(ctx.w_dtype)
-        grads = native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
-        return grad_x, grad_w, grads
+
+        def lora_grads() -> ExpertLoRAGrads:  # reads this call's workspace: before the backend's next call
+            if lora_dn:
+                eng.bwd_down_lora_grads(off.data_ptr(), E, H, I, lora_dn.native(_ext()), qd.data_ptr(),
+                                        route.w_row.data_ptr(), ctx.h.data_ptr(), ip, ctx.ah.data_ptr(),
+                                        gy_rows.data_ptr(), gy_bf16, gy_rows.stride(0), route.row_tok.data_ptr())
+            if lora_gu:
+                eng.bwd_gate_up_lora_grads(off.data_ptr(), E, H, I, lora_gu.native(_ext()), qg.data_ptr(),
+                                           ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
+                                           route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu32.data_ptr())
+            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
+
+        return grad_x, grad_w, lora_grads

@@ -239,13 +239,11 @@ void Engine::down(uintptr_t hq_, int64_t lda, uintptr_t hs_, uintptr_t off_, uin
 // Task: unit = 32 columns of I (W^T streams derived from down's codes); the pools split the units.
 void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off_, uintptr_t poff_, uintptr_t down_,
                       int64_t E, int64_t H, int64_t I, uintptr_t gh_, const lora::Projection* lora, uintptr_t gy,
-                      bool gy_bf16, int64_t gy_stride, uintptr_t tok_, uintptr_t w_row_, uintptr_t h_, int64_t ldh,
-                      uintptr_t ah_, uintptr_t qd_) {
+                      bool gy_bf16, int64_t gy_stride, uintptr_t tok_, uintptr_t qd_) {
   const Dims d(E, H, I);
   const int8_t *gyq = P<const int8_t>(gyq_), *dn = P<const int8_t>(down_);
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
-  const float *gys = P<const float>(gys_), *w_row = P<const float>(w_row_), *ah = P<const float>(ah_);
-  const float* h = P<const float>(h_);
+  const float* gys = P<const float>(gys_);
   const int32_t* tok = P<const int32_t>(tok_);
   float *gh = P<float>(gh_), *qd = P<float>(qd_);
   const int64_t units = (I + 31) / 32, kt_n = d.Hp / kBlockK;
@@ -276,12 +274,17 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
     const auto span = sched_.phase_clock().span("bwd down: gemm");
     sched_.run_split(off, poff, E, units, /*split_units=*/true, 0, kBwdTaskRows, task);
   }
-  if (lora) {
-    lora::grad_phase(sched_, "bwd down: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I, qd, w_row,
-                     h, false, ldh, nullptr);
-    lora::grad_phase(sched_, "bwd down: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H, ah, w_row,
-                     P<const void>(gy), gy_bf16, gy_stride, tok);
-  }
+}
+
+void Engine::bwd_down_lora_grads(uintptr_t off_, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
+                                 uintptr_t qd, uintptr_t w_row_, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t gy,
+                                 bool gy_bf16, int64_t gy_stride, uintptr_t tok) {
+  const int64_t* off = P<const int64_t>(off_);
+  const float* w_row = P<const float>(w_row_);
+  lora::grad_phase(sched_, "bwd down: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I,
+                   P<const float>(qd), w_row, P<const void>(h), false, ldh, nullptr);
+  lora::grad_phase(sched_, "bwd down: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H,
+                   P<const float>(ah), w_row, P<const void>(gy), gy_bf16, gy_stride, P<const int32_t>(tok));
 }
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uintptr_t u_, uintptr_t w_row_,
@@ -317,13 +320,11 @@ void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uin
 // over its slice of the 2 Ip inputs (gate's Ip, then up's).
 void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t off_, uintptr_t poff_,
                          uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I, uintptr_t parts_,
-                         const lora::Projection* lora, uintptr_t ggu32_, uintptr_t x, bool x_bf16, int64_t x_stride,
-                         uintptr_t tok_, uintptr_t ax_, uintptr_t qg_) {
+                         const lora::Projection* lora, uintptr_t ggu32_, uintptr_t qg_) {
   const Dims d(E, H, I);
   const int8_t *ggq = P<const int8_t>(ggq_), *gate = P<const int8_t>(gate_), *up = P<const int8_t>(up_);
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
-  const float *ggs = P<const float>(ggs_), *ggu32 = P<const float>(ggu32_), *ax = P<const float>(ax_);
-  const int32_t* tok = P<const int32_t>(tok_);
+  const float *ggs = P<const float>(ggs_), *ggu32 = P<const float>(ggu32_);
   float *parts = P<float>(parts_), *qg = P<float>(qg_);
   const int64_t R = off[E], units = (H + 31) / 32, half = d.Ip / kBlockK;
   if (lora)
@@ -358,12 +359,16 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
     const auto span = sched_.phase_clock().span("bwd gate_up: gemm");
     sched_.run_split(off, poff, E, units, /*split_units=*/false, 2 * half, kBwdTaskRows, task);
   }
-  if (lora) {
-    lora::grad_phase(sched_, "bwd gate_up: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H, qg,
-                     nullptr, P<const void>(x), x_bf16, x_stride, tok);
-    lora::grad_phase(sched_, "bwd gate_up: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I, ax,
-                     nullptr, ggu32, false, 2 * I, nullptr);
-  }
+}
+
+void Engine::bwd_gate_up_lora_grads(uintptr_t off_, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
+                                    uintptr_t qg, uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok,
+                                    uintptr_t ax, uintptr_t ggu32) {
+  const int64_t* off = P<const int64_t>(off_);
+  lora::grad_phase(sched_, "bwd gate_up: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H,
+                   P<const float>(qg), nullptr, P<const void>(x), x_bf16, x_stride, P<const int32_t>(tok));
+  lora::grad_phase(sched_, "bwd gate_up: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I,
+                   P<const float>(ax), nullptr, P<const void>(ggu32), false, 2 * I, nullptr);
 }
 
 void Engine::memzero(uintptr_t p, int64_t nbytes) {
