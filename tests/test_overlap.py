@@ -107,6 +107,16 @@ def test_timeline_records_the_backend_and_the_waiting():
     assert all(layer.timeline is None for layer in model.ktcore.layers.values())
 
 
+def cuda_lora_model(model_dir, backend="torch"):
+    """The tiny model saved in model_dir on the GPU in bf16, with LoRA r=4 on q/o and the routed experts."""
+    model = ktcore.load_model(model_dir, {"kt_backend": backend}, device="cuda", dtype=torch.bfloat16,
+                              progress=False)
+    torch.manual_seed(7)
+    return model, get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                                   target_parameters=["mlp.experts.gate_up_proj",
+                                                                      "mlp.experts.down_proj"]))
+
+
 def _synchronisations(model_dir):
     """For one LoRA training step of the model saved in model_dir (after a warm-up step): the device-wide and
     stream synchronisations the CUDA runtime saw, the sync-debug warnings raised from ktcore's own files, and
@@ -116,12 +126,7 @@ def _synchronisations(model_dir):
 
     from torch.profiler import ProfilerActivity, profile
 
-    model = ktcore.load_model(model_dir, {"kt_backend": "torch"}, device="cuda", dtype=torch.bfloat16,
-                              progress=False)
-    torch.manual_seed(7)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
-                                                  target_parameters=["mlp.experts.gate_up_proj",
-                                                                     "mlp.experts.down_proj"]))
+    _, peft_model = cuda_lora_model(model_dir)
     optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(5)).cuda()
 
@@ -170,11 +175,7 @@ def test_the_timeline_counts_the_gpu_idle_while_the_backend_computes(tmp_path):
     kernels, so most of the backend's time is the GPU idling; counting only from where the wait was queued
     gives a few copy times (about 1% of it)."""
     tiny_model("deepseek_v2", num_hidden_layers=3).save_pretrained(tmp_path / "model")
-    model = ktcore.load_model(tmp_path / "model", {"kt_backend": "torch"}, device="cuda", dtype=torch.bfloat16,
-                              progress=False)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
-                                                  target_parameters=["mlp.experts.gate_up_proj",
-                                                                     "mlp.experts.down_proj"]))
+    model, peft_model = cuda_lora_model(tmp_path / "model")
     ids = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(5)).cuda()
     peft_model(ids, labels=ids).loss.backward()  # warm-up
     torch.cuda.synchronize()
@@ -209,11 +210,7 @@ def test_native_results_reach_the_gpu_without_a_host_copy(tmp_path, monkeypatch,
 
     monkeypatch.setattr(CudaStaging, "pin", spying_pin)
     tiny_model("deepseek_v2", num_hidden_layers=3).save_pretrained(tmp_path / "model")
-    model = ktcore.load_model(tmp_path / "model", {"kt_backend": backend}, device="cuda", dtype=torch.bfloat16,
-                              progress=False)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
-                                                  target_parameters=["mlp.experts.gate_up_proj",
-                                                                     "mlp.experts.down_proj"]))
+    model, peft_model = cuda_lora_model(tmp_path / "model", backend)
     ids = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(5)).cuda()
     peft_model(ids, labels=ids).loss.backward()
     torch.cuda.synchronize()
@@ -300,11 +297,7 @@ def test_expert_lora_gradients_are_awaited_off_the_gpus_backward_thread(tmp_path
     monkeypatch.setattr(ExpertJob, "finish_backward", recording("input", finish))
     monkeypatch.setattr(ExpertJob, "finish_lora_backward", recording("lora", finish_lora))
     tiny_model("deepseek_v2", num_hidden_layers=4).save_pretrained(tmp_path / "model")
-    model = ktcore.load_model(tmp_path / "model", {"kt_backend": "torch"}, device="cuda", dtype=torch.bfloat16,
-                              progress=False)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
-                                                  target_parameters=["mlp.experts.gate_up_proj",
-                                                                     "mlp.experts.down_proj"]))
+    _, peft_model = cuda_lora_model(tmp_path / "model")
     ids = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(5)).cuda()
     peft_model(ids, labels=ids).loss.backward()
     torch.cuda.synchronize()

@@ -12,6 +12,7 @@ import ktcore.plugins.hw
 import ktcore.plugins
 from ktcore.testing import ExpertBackendContract
 from ktcore.testing.contract import Case, relative_error
+from ktcore.testing.phases import check_lora_gradients_come_last, check_phase_clock
 
 from ktcore_amx_bf16 import _ext
 from ktcore_amx_bf16.backend import AMXBF16Backend
@@ -339,46 +340,9 @@ def test_doctor_report_says_which_kernels():
         assert got["amx_bf16_peak_gflops"] > 100 and got["amx_bf16_kernels"] == "amx"
 
 
-# Every phase of a forward + backward with expert LoRA, as bench_expert_lora.py --phases prints them
-LORA_PHASES = {f"{d} {p}: {what}" for d, p, whats in (("fwd", "gate_up", ("lora A x", "gemm")),
-                                                       ("fwd", "down", ("lora A h", "gemm")),
-                                                       ("bwd", "down", ("lora B^T g", "gemm", "lora dA", "lora dB")),
-                                                       ("bwd", "gate_up", ("lora B^T g", "gemm", "lora dA", "lora dB")))
-               for what in whats} | {"bwd act"}
-
-
 def test_phase_clock_times_each_phase_only_while_on():
-    b = _backend("portable", kt_num_threads=2)
-    engine = b._engine
-    _run(b, EXTRA[0])
-    assert engine.phase_times() == {}  # off: nothing recorded
-    engine.phase_clock(True)
-    _run(b, EXTRA[0])
-    times = engine.phase_times()
-    engine.phase_clock(False)
-    assert LORA_PHASES <= set(times), LORA_PHASES - set(times)
-    assert all(seconds > 0 and calls == 1 for name, (seconds, calls) in times.items() if name in LORA_PHASES)
-    assert engine.phase_times() == {}  # a read starts over
+    check_phase_clock(_backend("portable", kt_num_threads=2), _problem(EXTRA[0]))
 
 
 def test_the_lora_gradient_phases_run_only_in_the_second_part_of_backward_parts():
-    """backward_parts returns grad_x and grad_w before any LoRA gradient phase has run; its lora_grads() runs them
-    and gives what backward gives, to the bit."""
-    b = _backend("portable", kt_num_threads=2)
-    engine = b._engine
-    weights, x, ids, w, lora = _problem(EXTRA[0])
-    packed = b.pack(weights)
-    grad_y = torch.ones_like(x)
-    want = b.backward(packed, b.forward(packed, x, ids, w, lora, save=True)[1], grad_y, lora)
-    _, ctx = b.forward(packed, x, ids, w, lora, save=True)
-    engine.phase_clock(True)
-    grad_x, grad_w, lora_grads = b.backward_parts(packed, ctx, grad_y, lora)
-    first = engine.phase_times()
-    grads = lora_grads()
-    second = engine.phase_times()
-    engine.phase_clock(False)
-    gradient_phases = {p for p in LORA_PHASES if p.endswith(("dA", "dB"))}
-    assert not gradient_phases & set(first) and "bwd gate_up: gemm" in first
-    assert set(second) == gradient_phases
-    assert torch.equal(grad_x, want[0]) and torch.equal(grad_w, want[1])
-    assert all(torch.equal(a, b) for a, b in zip(grads.tensors(), want[2].tensors()) if a is not None)
+    check_lora_gradients_come_last(_backend("portable", kt_num_threads=2), _problem(EXTRA[0]))

@@ -276,15 +276,12 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
   }
 }
 
-void Engine::bwd_down_lora_grads(uintptr_t off_, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
-                                 uintptr_t qd, uintptr_t w_row_, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t gy,
+void Engine::bwd_down_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
+                                 uintptr_t qd, uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t gy,
                                  bool gy_bf16, int64_t gy_stride, uintptr_t tok) {
-  const int64_t* off = P<const int64_t>(off_);
-  const float* w_row = P<const float>(w_row_);
-  lora::grad_phase(sched_, "bwd down: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, I,
-                   P<const float>(qd), w_row, P<const void>(h), false, ldh, nullptr);
-  lora::grad_phase(sched_, "bwd down: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, H,
-                   P<const float>(ah), w_row, P<const void>(gy), gy_bf16, gy_stride, P<const int32_t>(tok));
+  lora::down_grads(sched_, K_->lora, P<const int64_t>(off), E, H, I, *lora, P<const float>(qd), P<const float>(w_row),
+                   P<const void>(h), false, ldh, P<const float>(ah), P<const void>(gy), gy_bf16, gy_stride,
+                   P<const int32_t>(tok));
 }
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uintptr_t u_, uintptr_t w_row_,
@@ -361,14 +358,11 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
   }
 }
 
-void Engine::bwd_gate_up_lora_grads(uintptr_t off_, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
+void Engine::bwd_gate_up_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
                                     uintptr_t qg, uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok,
                                     uintptr_t ax, uintptr_t ggu32) {
-  const int64_t* off = P<const int64_t>(off_);
-  lora::grad_phase(sched_, "bwd gate_up: lora dA", K_->lora, off, E, lora->grad_a, lora->rank, lora->scale, H,
-                   P<const float>(qg), nullptr, P<const void>(x), x_bf16, x_stride, P<const int32_t>(tok));
-  lora::grad_phase(sched_, "bwd gate_up: lora dB", K_->lora, off, E, lora->grad_b, lora->rank, lora->scale, 2 * I,
-                   P<const float>(ax), nullptr, P<const void>(ggu32), false, 2 * I, nullptr);
+  lora::gate_up_grads(sched_, K_->lora, P<const int64_t>(off), E, H, I, *lora, P<const float>(qg), P<const void>(x),
+                      x_bf16, x_stride, P<const int32_t>(tok), P<const float>(ax), P<const void>(ggu32), false);
 }
 
 void Engine::memzero(uintptr_t p, int64_t nbytes) {

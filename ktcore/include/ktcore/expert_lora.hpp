@@ -131,8 +131,8 @@ inline void grad_columns(const Leaves& L, const Factor& grad, int rank, float sc
 // lora_scratch per thread), timed as `label` on its phase clock: q[r] = F_e src_r for every row r of every expert,
 // rank_tasks' tasks.
 template <class Sched>
-void rank_phase(Sched& sched, const char* label, const Leaves& L, const int64_t* off, int64_t E, const Factor& f, int rank, int64_t n,
-                const void* src, bool src_bf16, int64_t lds, const int32_t* rows, float* q) {
+void rank_phase(Sched& sched, const char* label, const Leaves& L, const int64_t* off, int64_t E, const Factor& f,
+                int rank, int64_t n, const void* src, bool src_bf16, int64_t lds, const int32_t* rows, float* q) {
   const auto span = sched.phase_clock().span(label);
   const std::vector<std::array<int64_t, 3>> tasks = rank_tasks(off, E);
   sched.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
@@ -145,9 +145,9 @@ void rank_phase(Sched& sched, const char* label, const Leaves& L, const int64_t*
 // scale * sum_r u_r (w_r) v_r[c] for c < n (grad_columns), grad_tasks' tasks; v: rows[r] (rows null: row r) of a
 // fp32 or bf16 matrix, ldv elements apart.
 template <class Sched>
-void grad_phase(Sched& sched, const char* label, const Leaves& L, const int64_t* off, int64_t E, const Factor& grad, int rank,
-                float scale, int64_t n, const float* u, const float* w, const void* v, bool v_bf16, int64_t ldv,
-                const int32_t* rows) {
+void grad_phase(Sched& sched, const char* label, const Leaves& L, const int64_t* off, int64_t E, const Factor& grad,
+                int rank, float scale, int64_t n, const float* u, const float* w, const void* v, bool v_bf16,
+                int64_t ldv, const int32_t* rows) {
   const auto span = sched.phase_clock().span(label);
   const std::vector<std::array<int64_t, 2>> tasks = grad_tasks(off, E, n);
   sched.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
@@ -156,6 +156,33 @@ void grad_phase(Sched& sched, const char* label, const Leaves& L, const int64_t*
     grad_columns(L, grad, rank, scale, e, c0, std::min(kGradColumns, n - c0), u, w, v0, v_bf16, ldv, rows, off[e],
                  off[e + 1], sched.lora_scratch(pool, tid));
   });
+}
+
+// A backend's two projections' gradients, each a pair of gradient phases after the backward GEMMs (the engines run
+// them apart from the GEMMs so the input gradient can leave first). Down (in = I, out = H): dA = scale * sum_r w_r
+// qd_r h_r^T, dB = scale * sum_r w_r gy_r ah_r^T, where qd = B^T gy (the prologue), ah = A h (the forward's), h the
+// activation rows (ldh apart, fp32 or bf16), gy the output gradient's token rows tok[r] (gy_stride apart).
+template <class Sched>
+void down_grads(Sched& sched, const Leaves& L, const int64_t* off, int64_t E, int64_t H, int64_t I,
+                const Projection& lora, const float* qd, const float* w_row, const void* h, bool h_bf16, int64_t ldh,
+                const float* ah, const void* gy, bool gy_bf16, int64_t gy_stride, const int32_t* tok) {
+  grad_phase(sched, "bwd down: lora dA", L, off, E, lora.grad_a, lora.rank, lora.scale, I, qd, w_row, h, h_bf16, ldh,
+             nullptr);
+  grad_phase(sched, "bwd down: lora dB", L, off, E, lora.grad_b, lora.rank, lora.scale, H, ah, w_row, gy, gy_bf16,
+             gy_stride, tok);
+}
+
+// Gate/up (in = H, out = 2I): dA = scale * sum_r qg_r x_r^T, dB = scale * sum_r g_r ax_r^T, where qg = B^T g (the
+// prologue), ax = A x (the forward's), x the token rows tok[r] (x_stride apart), g the rows of the gate and up
+// gradients [R, 2I] (fp32 or bf16), routing weights in.
+template <class Sched>
+void gate_up_grads(Sched& sched, const Leaves& L, const int64_t* off, int64_t E, int64_t H, int64_t I,
+                   const Projection& lora, const float* qg, const void* x, bool x_bf16, int64_t x_stride,
+                   const int32_t* tok, const float* ax, const void* g, bool g_bf16) {
+  grad_phase(sched, "bwd gate_up: lora dA", L, off, E, lora.grad_a, lora.rank, lora.scale, H, qg, nullptr, x, x_bf16,
+             x_stride, tok);
+  grad_phase(sched, "bwd gate_up: lora dB", L, off, E, lora.grad_b, lora.rank, lora.scale, 2 * I, ax, nullptr, g,
+             g_bf16, 2 * I, nullptr);
 }
 
 }  // namespace lora
