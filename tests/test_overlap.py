@@ -303,5 +303,7 @@ def test_expert_lora_gradients_are_awaited_off_the_gpus_backward_thread(tmp_path
     torch.cuda.synchronize()
     assert threads["lora"] == {threading.get_ident()}
     assert threading.get_ident() not in threads["input"] and len(threads["input"]) == 1
-    experts = [p for n, p in peft_model.named_parameters() if "experts" in n and p.requires_grad]
-    assert len(experts) == 3 * 2 * 2 and all(p.grad is not None and p.grad.norm() > 0 for p in experts)
+    experts = {n: p for n, p in peft_model.named_parameters() if "experts" in n and p.requires_grad}
+    assert len(experts) == 3 * 2 * 2 and all(p.grad is not None for p in experts.values())
+    # PEFT starts B at zero, so only B's gradients are nonzero after one step
+    assert all(p.grad.norm() > 0 for n, p in experts.items() if "lora_B" in n)
