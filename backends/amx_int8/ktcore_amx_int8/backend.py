@@ -281,19 +281,20 @@ class AMXInt8Backend(ExpertBackendBase):
         lda_gg = _ld(2 * ip)
         ggq = self._ws.get("ggq", (route.padded_rows, lda_gg), torch.int8)
         ggs = self._ws.get("ggs", (R,), torch.float32)
-        ggu32 = self._ws.get("ggu32", (R, 2 * I), torch.float32)
+        # expert LoRA reads the gate and up gradients as bf16 rows (as amx_bf16's do)
+        ggu_rows = self._ws.get("ggu_rows", (R, 2 * I), torch.bfloat16) if lora_gu else None
         # slots with no expert keep 0
         grad_w = torch.empty(T * K, dtype=torch.float32, pin_memory=self.pin_outputs)
         eng.memzero(grad_w.data_ptr(), grad_w.nbytes)
         eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ip, ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
                     off.data_ptr(), poff.data_ptr(), E, I, packed.gate_scales.data_ptr(), packed.up_scales.data_ptr(),
-                    ggq.data_ptr(), lda_gg, ggs.data_ptr(), ggu32.data_ptr(), grad_w.data_ptr(),
+                    ggq.data_ptr(), lda_gg, ggs.data_ptr(), address(ggu_rows), grad_w.data_ptr(),
                     route.order.data_ptr())
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         qg = self._ws.get("qg", (R, lora_gu.rank), torch.float32) if lora_gu else None
         eng.bwd_gate_up(ggq.data_ptr(), lda_gg, ggs.data_ptr(), off.data_ptr(), poff.data_ptr(),
                         packed.gate.data_ptr(), packed.up.data_ptr(), E, H, I, parts.data_ptr(),
-                        lora_gu and lora_gu.native(_ext()), ggu32.data_ptr(), address(qg))
+                        lora_gu and lora_gu.native(_ext()), address(ggu_rows), address(qg))
         grad_x = combine_parts(eng, parts, route, False, grad_y.dtype, self.pin_outputs)
         grad_w = grad_w.view(T, K).to(ctx.w_dtype)
 
@@ -305,7 +306,7 @@ class AMXInt8Backend(ExpertBackendBase):
             if lora_gu:
                 eng.bwd_gate_up_lora_grads(off.data_ptr(), E, H, I, lora_gu.native(_ext()), qg.data_ptr(),
                                            ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
-                                           route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu32.data_ptr())
+                                           route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu_rows.data_ptr())
             return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
 
         return grad_x, grad_w, lora_grads

@@ -286,14 +286,15 @@ void Engine::bwd_down_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I,
 
 void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uintptr_t u_, uintptr_t w_row_,
                      uintptr_t off_, uintptr_t poff_, int64_t E, int64_t I, uintptr_t gate_scales, uintptr_t up_scales,
-                     uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t ggu32_, uintptr_t grad_w_,
+                     uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t ggu_rows_, uintptr_t grad_w_,
                      uintptr_t order_) {
   const auto span = sched_.phase_clock().span("bwd act");
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_), *order = P<const int64_t>(order_);
   const float *gh = P<const float>(gh_), *h = P<const float>(h_), *g = P<const float>(g_), *u = P<const float>(u_);
   const float *w_row = P<const float>(w_row_), *gs = P<const float>(gate_scales), *us = P<const float>(up_scales);
   int8_t* ggq = P<int8_t>(ggq_);
-  float *ggs = P<float>(ggs_), *ggu32 = P<float>(ggu32_), *grad_w = P<float>(grad_w_);
+  float *ggs = P<float>(ggs_), *grad_w = P<float>(grad_w_);
+  uint16_t* ggu_rows = P<uint16_t>(ggu_rows_);
   const int64_t Ip = rup(I, kBlockK);
   sched_.run_tasks(poff[E], [&](int64_t p, int pool, int tid) {
     const auto [e, r] = source_row(p, off, poff, E);
@@ -301,13 +302,18 @@ void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uin
       std::memset(ggq + p * lda, 0, 2 * Ip);
       return;
     }
-    float *gg = ggu32 + r * 2 * I, *gu = gg + I;
-    grad_w[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, w_row[r], gg, gu);
-    float* v = sched_.scratch_row(pool, tid, 2 * Ip);  // the row as it meets the codes: weight scales folded in
+    // the row's gradients [dL/dg | dL/du] (Ip columns each, zero padded), then, in place, as they meet the codes
+    float* v = sched_.scratch_row(pool, tid, 2 * Ip);
     std::fill(v, v + 2 * Ip, 0.f);
+    float *gg = v, *gu = v + Ip;
+    grad_w[order[r]] = K_->silu_mul_bwd(gh + r * I, h + r * ldh, g + r * I, u + r * I, I, w_row[r], gg, gu);
+    if (ggu_rows) {
+      K_->store_row(gg, I, ggu_rows + r * 2 * I, 1);
+      K_->store_row(gu, I, ggu_rows + r * 2 * I + I, 1);
+    }
     for (int64_t i = 0; i < I; ++i) {
-      v[i] = gg[i] * gs[e * I + i];
-      v[Ip + i] = gu[i] * us[e * I + i];
+      gg[i] *= gs[e * I + i];
+      gu[i] *= us[e * I + i];
     }
     ggs[r] = K_->quantize_row(v, 0, nullptr, 2 * Ip, 2 * Ip, ggq + p * lda);
   });
@@ -317,15 +323,16 @@ void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uin
 // over its slice of the 2 Ip inputs (gate's Ip, then up's).
 void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t off_, uintptr_t poff_,
                          uintptr_t gate_, uintptr_t up_, int64_t E, int64_t H, int64_t I, uintptr_t parts_,
-                         const lora::Projection* lora, uintptr_t ggu32_, uintptr_t qg_) {
+                         const lora::Projection* lora, uintptr_t ggu_rows_, uintptr_t qg_) {
   const Dims d(E, H, I);
   const int8_t *ggq = P<const int8_t>(ggq_), *gate = P<const int8_t>(gate_), *up = P<const int8_t>(up_);
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
-  const float *ggs = P<const float>(ggs_), *ggu32 = P<const float>(ggu32_);
+  const float* ggs = P<const float>(ggs_);
+  const uint16_t* ggu_rows = P<const uint16_t>(ggu_rows_);
   float *parts = P<float>(parts_), *qg = P<float>(qg_);
   const int64_t R = off[E], units = (H + 31) / 32, half = d.Ip / kBlockK;
   if (lora)
-    lora::rank_phase(sched_, "bwd gate_up: lora B^T g", K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu32, false,
+    lora::rank_phase(sched_, "bwd gate_up: lora B^T g", K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu_rows, true,
                      2 * I, nullptr, qg);
   auto task = [&](const Task& t, int pool, int tid, int64_t k0, int64_t k1) {
     const int64_t np = t.unit, nc = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0, nk = k1 - k0;
@@ -360,9 +367,9 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
 
 void Engine::bwd_gate_up_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
                                     uintptr_t qg, uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok,
-                                    uintptr_t ax, uintptr_t ggu32) {
+                                    uintptr_t ax, uintptr_t ggu_rows) {
   lora::gate_up_grads(sched_, K_->lora, P<const int64_t>(off), E, H, I, *lora, P<const float>(qg), P<const void>(x),
-                      x_bf16, x_stride, P<const int32_t>(tok), P<const float>(ax), P<const void>(ggu32), false);
+                      x_bf16, x_stride, P<const int32_t>(tok), P<const float>(ax), P<const void>(ggu_rows), true);
 }
 
 void Engine::memzero(uintptr_t p, int64_t nbytes) {

@@ -77,21 +77,22 @@ class Engine {
   void bwd_down_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I, const lora::Projection* lora, uintptr_t qd,
                            uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t gy, bool gy_bf16,
                            int64_t gy_stride, uintptr_t tok);
-  // Per row: grad_w[order[r]] = dot(gh[r], h[r]); ggu32[r] = [dL/dg | dL/du] (fp32 [R, 2I], routing weight in);
-  // ggq[r] = quantised [dL/dg * gate_scales[e] (Ip columns) | dL/du * up_scales[e] (Ip)], ggs[r] its scale.
+  // Per row: grad_w[order[r]] = dot(gh[r], h[r]); ggq[r] = quantised [dL/dg * gate_scales[e] (Ip columns) | dL/du *
+  // up_scales[e] (Ip)] (routing weight in), ggs[r] its scale; ggu_rows, if set (expert LoRA reads it), [dL/dg |
+  // dL/du] as bf16 rows [R, 2I].
   void bwd_act(uintptr_t gh, uintptr_t h, int64_t ldh, uintptr_t g, uintptr_t u, uintptr_t w_row, uintptr_t off,
                uintptr_t poff, int64_t E, int64_t I, uintptr_t gate_scales, uintptr_t up_scales, uintptr_t ggq,
-               int64_t lda, uintptr_t ggs, uintptr_t ggu32, uintptr_t grad_w, uintptr_t order);
+               int64_t lda, uintptr_t ggs, uintptr_t ggu_rows, uintptr_t grad_w, uintptr_t order);
   // parts[p, r, 0:H] = dequantised ggq[r] @ [codes(gate_e); codes(up_e)] over pool p's slice of the 2 Ip inputs.
-  // With LoRA: first qg[r] = B_e ggu32[r], one pool per output block adds scale * A_e^T qg.
+  // With LoRA: first qg[r] = B_e ggu_rows[r], one pool per output block adds scale * A_e^T qg.
   void bwd_gate_up(uintptr_t ggq, int64_t lda, uintptr_t ggs, uintptr_t off, uintptr_t poff, uintptr_t gate,
                    uintptr_t up, int64_t E, int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora,
-                   uintptr_t ggu32, uintptr_t qg);
+                   uintptr_t ggu_rows, uintptr_t qg);
   // Gate/up's LoRA gradients, apart like bwd_down_lora_grads: dA = scale * sum_r qg_r x_r^T and dB = scale *
-  // sum_r ggu32_r ax_r^T.
+  // sum_r ggu_rows_r ax_r^T.
   void bwd_gate_up_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I, const lora::Projection* lora,
                               uintptr_t qg, uintptr_t x, bool x_bf16, int64_t x_stride, uintptr_t tok, uintptr_t ax,
-                              uintptr_t ggu32);
+                              uintptr_t ggu_rows);
 
   // memset without waking torch's CPU threads
   void memzero(uintptr_t p, int64_t nbytes);
