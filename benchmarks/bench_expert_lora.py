@@ -38,29 +38,27 @@ def make_backend(spec: str, threads: int):
     return ktcore.get_backend(name, kt, need_backward=True, need_lora=True)
 
 
+def fwd_bwd(backend, packed, x, ids, w, lora) -> None:
+    """One forward saving for backward, then the backward."""
+    _, ctx = backend.forward(packed, x, ids, w, lora, save=True)
+    backend.backward(packed, ctx, torch.ones_like(x), lora)
+
+
 def time_layer(backend, packed, x, ids, w, lora, seconds: float) -> tuple[float, float]:
     """(forward seconds, forward + backward seconds), medians."""
-    gy = torch.ones_like(x)
-
-    def step():
-        _, ctx = backend.forward(packed, x, ids, w, lora, save=True)
-        backend.backward(packed, ctx, gy, lora)
-
     return (median_time(lambda: backend.forward(packed, x, ids, w, lora, save=False), seconds),
-            median_time(step, seconds))
+            median_time(lambda: fwd_bwd(backend, packed, x, ids, w, lora), seconds))
 
 
 def phase_ms(backend, packed, x, ids, w, lora, calls: int = 5) -> dict:
     """{phase: milliseconds per forward + backward call} from the engine's phase clock, and under "the call" the
     wall time of the same calls (the rest is what runs outside the engine's phases: Python, torch)."""
-    gy = torch.ones_like(x)
     engine = backend._engine
     engine.phase_clock(True)
     engine.phase_times()  # starts over
     t0 = time.perf_counter()
     for _ in range(calls):
-        _, ctx = backend.forward(packed, x, ids, w, lora, save=True)
-        backend.backward(packed, ctx, gy, lora)
+        fwd_bwd(backend, packed, x, ids, w, lora)
     wall = time.perf_counter() - t0
     times = engine.phase_times()
     engine.phase_clock(False)
