@@ -114,9 +114,8 @@ int main(int argc, char** argv) {
   // the engines' gradient phase (lora::grad_tasks), its tasks in turn; v: bf16 rows
   auto grads = [&](const lora::Factor& grad, float scale, int64_t n, const float* u, const float* wt,
                    const uint16_t* v, int64_t ldv, const int32_t* rows) {
-    for (const auto& [e, c0] : lora::grad_tasks(off.data(), E, n))
-      lora::grad_columns(L, grad, rank, scale, e, c0, std::min(lora::kGradColumns, n - c0), u, wt, v + c0, true,
-                         ldv, rows, off[e], off[e + 1], s);
+    for (const auto& [e, c0, nc] : lora::grad_tasks(off.data(), E, n))
+      lora::grad_columns(L, grad, rank, scale, e, c0, nc, u, wt, v + c0, true, ldv, rows, off[e], off[e + 1], s);
   };
 
   struct Phase {

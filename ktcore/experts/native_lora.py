@@ -68,11 +68,12 @@ def _grad_buffer(factor: torch.Tensor, alloc, pinned: bool) -> torch.Tensor:
 
 
 def native_projections(lora: Optional[ExpertLoRA], num_experts: int, hidden: int, inter: int,
-                       offsets: Optional[torch.Tensor] = None, pinned: bool = False
+                       offsets: Optional[torch.Tensor] = None, pinned: bool = False, zero_idle: bool = True
                        ) -> tuple[Optional[NativeProjection], Optional[NativeProjection]]:
     """(gate_up, down) of ``lora`` as NativeProjections (None where that projection has no LoRA), shapes checked.
     With the routing's expert offsets [E+1] (backward) it also allocates the gradient buffers, zeroed when some
-    expert has no rows (the backend writes the gradients of the experts that have); ``pinned`` (the backend's
+    expert has no rows and ``zero_idle`` (a backend that writes only the gradients of the experts with rows; the
+    AMX engines' gradient phases write the others' zeros themselves, in parallel); ``pinned`` (the backend's
     ``pin_outputs``) takes them from torch's caching host allocator, which hands the same pages out again step
     after step, where fresh pageable buffers of this size (tens of MB per layer) page-fault on every call."""
     if lora is None:
@@ -91,7 +92,7 @@ def native_projections(lora: Optional[ExpertLoRA], num_experts: int, hidden: int
         a, b = _native(a.detach()), _native(b.detach())
         proj = NativeProjection(a, b, scale)
         if offsets is not None:
-            idle = bool((offsets[1:] == offsets[:-1]).any())
+            idle = zero_idle and bool((offsets[1:] == offsets[:-1]).any())
             alloc = torch.zeros if idle else torch.empty
             proj.grad_a, proj.grad_b = _grad_buffer(a, alloc, pinned), _grad_buffer(b, alloc, pinned)
         out.append(proj)

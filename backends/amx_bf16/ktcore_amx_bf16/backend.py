@@ -238,7 +238,7 @@ class AMXBF16Backend(ExpertBackendBase):
         route = ctx.route
         R, T, K = route.R, route.T, route.K
         off = route.offsets
-        lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs)
+        lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs, zero_idle=False)
         check_lora_as_saved(ctx, lora_gu, lora_dn)
 
         prof = _Prof()

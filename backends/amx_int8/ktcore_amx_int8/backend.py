@@ -265,7 +265,7 @@ class AMXInt8Backend(ExpertBackendBase):
         hp, ip = packed.hidden_padded, packed.inter_padded
         route = ctx.route
         R, T, K, off, poff = route.R, route.T, route.K, route.offsets, route.padded
-        lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs)
+        lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs, zero_idle=False)
         check_lora_as_saved(ctx, lora_gu, lora_dn)
 
         gy_rows = token_rows(grad_y)

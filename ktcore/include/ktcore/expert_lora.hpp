@@ -74,13 +74,15 @@ inline std::vector<std::array<int64_t, 3>> rank_tasks(const int64_t* off, int64_
 // (few passes over the rows), yet enough of them to spread over the threads (2048 columns: 8 per expert).
 constexpr int64_t kGradColumns = 256;
 
-// A gradient phase's tasks over n columns of every expert's factor: (expert, first column), kGradColumns each, for
-// the experts with rows (the others keep the zeros their gradients start from).
-inline std::vector<std::array<int64_t, 2>> grad_tasks(const int64_t* off, int64_t E, int64_t n) {
-  std::vector<std::array<int64_t, 2>> tasks;
-  for (int64_t e = 0; e < E; ++e)
-    if (off[e + 1] > off[e])
-      for (int64_t c = 0; c < n; c += kGradColumns) tasks.push_back({e, c});
+// A gradient phase's tasks over n columns of every expert's factor: (expert, first column), kGradColumns each. An
+// expert without rows gets one task for all its columns, which writes its zeros (so the gradient buffers need not
+// be zeroed first).
+inline std::vector<std::array<int64_t, 3>> grad_tasks(const int64_t* off, int64_t E, int64_t n) {
+  std::vector<std::array<int64_t, 3>> tasks;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t step = off[e + 1] > off[e] ? kGradColumns : n;
+    for (int64_t c = 0; c < n; c += step) tasks.push_back({e, c, std::min(step, n - c)});
+  }
   return tasks;
 }
 
@@ -108,6 +110,10 @@ inline void rank_rows(const Leaves& L, const Factor& f, int rank, int64_t e, int
 inline void expand_rows(const Leaves& L, const Factor& f, int rank, float scale, int64_t e, int64_t c0, int64_t nc,
                         const float* q, int64_t r0, int64_t m, float* out, int64_t ldo, Scratch& s) {
   if (nc <= 0 || m <= 0) return;
+  if (!f.bf16 && f.s_col == 1) {  // fp32 rows already (A's layout): read in place
+    L.expand(static_cast<const float*>(f.at(e, c0)), f.s_rank, rank, nc, q + r0 * rank, rank, m, scale, out, ldo);
+    return;
+  }
   float* b = s.block(rank * nc);
   L.block(f.at(e, c0), f.bf16, f.s_rank, f.s_col, rank, nc, b, nc);
   L.expand(b, nc, rank, nc, q + r0 * rank, rank, m, scale, out, ldo);
@@ -149,12 +155,12 @@ void grad_phase(Sched& sched, const char* label, const Leaves& L, const int64_t*
                 int rank, float scale, int64_t n, const float* u, const float* w, const void* v, bool v_bf16,
                 int64_t ldv, const int32_t* rows) {
   const auto span = sched.phase_clock().span(label);
-  const std::vector<std::array<int64_t, 2>> tasks = grad_tasks(off, E, n);
+  const std::vector<std::array<int64_t, 3>> tasks = grad_tasks(off, E, n);
   sched.run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, int pool, int tid) {
-    const auto [e, c0] = tasks[i];
+    const auto [e, c0, nc] = tasks[i];
     const char* v0 = static_cast<const char*>(v) + c0 * elem_bytes(v_bf16);
-    grad_columns(L, grad, rank, scale, e, c0, std::min(kGradColumns, n - c0), u, w, v0, v_bf16, ldv, rows, off[e],
-                 off[e + 1], sched.lora_scratch(pool, tid));
+    grad_columns(L, grad, rank, scale, e, c0, nc, u, w, v0, v_bf16, ldv, rows, off[e], off[e + 1],
+                 sched.lora_scratch(pool, tid));
   });
 }
 
