@@ -234,3 +234,21 @@ def test_experts_are_labelled_in_the_format_the_backend_computes(tmp_path):
         rows = bench("--backend", backend, "--tokens", "16", "--kernel-seconds", "0.01", "--workdir", str(tmp_path))
         assert rows and all(r["error"] is None and r["backend"] == backend and r["expert_format"] == label
                             for r in rows), rows
+
+
+def test_per_step_counts_cover_the_timed_steps_only():
+    """The copies and refreshes a row reports per step are counted over the timed steps: not the warm-up, nor the
+    memory step that follows them (which once made `h2d_gb` a third too high at one warm-up and two timed steps)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ktcore.commands.bench_train import train_steps
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    calls = [0]
+    model.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    timed = train_steps(model, 8, warmup=2, steps=3, device=torch.device("cpu"), memory=True,
+                        counters=lambda: (calls[0], 10 * calls[0]))
+    assert calls[0] == 2 + 3 + 1  # the warm-up, the timed steps, the memory step
+    assert timed["counted"] == (3, 30)

@@ -239,10 +239,11 @@ def lora_config(model, rank: int, experts: bool = True):
 
 
 def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None,
-                memory: bool = False, settled=None) -> dict:
+                memory: bool = False, settled=None, counters=None) -> dict:
     """Time ``steps`` SFT steps of one ``tokens``-long sequence after ``warmup``, and after more while
-    ``settled()`` is false (auto placement trying its candidates): mean step seconds, the steps run, and, with a
-    timeline, its mean spans per step; with ``memory``, one more step measured by phase (``memory_of_step``)."""
+    ``settled()`` is false (auto placement trying its candidates): mean step seconds and, with a
+    timeline, its mean spans per step; with ``memory``, one more step measured by phase (``memory_of_step``).
+    ``counters()`` (cumulative counts, a tuple): how much each grew over the timed steps, as ``counted``."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator().manual_seed(tokens)
@@ -263,6 +264,7 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
         step(batch())
         settling += 1
     times, spans = [], []
+    counted = counters() if counters else ()
     for _ in range(steps):
         ids = batch()
         _sync(device)
@@ -274,7 +276,8 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
         times.append(time.perf_counter() - start)
         if timeline is not None:
             spans.append(timeline.resolve())
-    out = {"step_s": statistics.mean(times), "steps_run": warmup + settling + steps,
+    out = {"step_s": statistics.mean(times),
+           "counted": tuple(b - a for a, b in zip(counted, counters() if counters else ())),
            **_peaks(device)}  # before the memory step resets the GPU's peak
     if spans:
         out["spans"] = {k: statistics.mean(s[k] for s in spans) for k in spans[0]}
@@ -282,6 +285,13 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
         out["memory"] = memory_of_step(model, optimizer, batch())
     del optimizer
     return out
+
+
+def copy_counts(stream, resident: list) -> tuple:
+    """Cumulative (bytes copied host-to-device, resident-set refreshes, their host seconds) of a model's streamed
+    layers (``stream``, or None) and resident experts (``kt_num_gpu_experts``)."""
+    return ((stream.copied_bytes if stream else 0) + sum(r.copied_bytes for r in resident),
+            sum(r.refreshes for r in resident), sum(r.refresh_s for r in resident))
 
 
 def memory_of_step(model, optimizer, ids: torch.Tensor) -> dict:
@@ -540,27 +550,22 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                     model = get_peft_model(base, lora_config(base, settings.rank, experts=expert_lora))
                 model.train()
                 _reset_peaks(device)
-                copied = stream.copied_bytes if stream else 0
-                copied_resident, refreshes, refresh_s = (sum(r.copied_bytes for r in resident),
-                                                         sum(r.refreshes for r in resident),
-                                                         sum(r.refresh_s for r in resident))
                 auto = base.ktcore.auto
                 if auto:
                     auto.try_again()  # expert LoRA on or off changes the step: each run keeps its own choice
                 with attach(base) as timeline:
                     timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True,
-                                        settled=auto and (lambda: auto.settled(tokens)))
+                                        settled=auto and (lambda: auto.settled(tokens)),
+                                        counters=lambda: copy_counts(stream, resident))
                 step_s = timed["step_s"]
                 split = split_of(step_s, timed["spans"], device)
-                # host-to-device expert bytes per step (gpu_stream), and the pinned-bandwidth bound they set
-                split["h2d_gb"] = ((stream.copied_bytes - copied) / timed["steps_run"] / 1e9
-                                   if stream else 0.0)
-                if resident:  # kt_num_gpu_experts: the resident experts' refresh copies, per step
-                    split["h2d_gb"] = ((sum(r.copied_bytes for r in resident) - copied_resident)
-                                       / timed["steps_run"] / 1e9)
-                    split["gpu_experts_refreshes"] = sum(r.refreshes for r in resident) - refreshes
-                    split["gpu_experts_refresh_s"] = ((sum(r.refresh_s for r in resident) - refresh_s)
-                                                      / timed["steps_run"])
+                # over the timed steps: host-to-device expert bytes per step (gpu_stream: the pinned-bandwidth bound
+                # they set; kt_num_gpu_experts: the resident experts' refresh copies), and the refreshes
+                copied, refreshes, refresh_s = timed["counted"]
+                split["h2d_gb"] = copied / settings.steps / 1e9
+                if resident:
+                    split["gpu_experts_refreshes"] = refreshes
+                    split["gpu_experts_refresh_s"] = refresh_s / settings.steps
                 if not expert_lora:
                     step_off = step_s
                 elif step_off is not None:
