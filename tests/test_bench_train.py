@@ -13,8 +13,8 @@ import ktcore
 from ktcore.commands.bench_train import SHAPES, make_config, write_random_model
 from ktcore.commands.cli import main
 
-SPLIT = ("gpu_busy_s", "cpu_experts_s", "expert_lora_s", "h2d_gb", "copies_s", "lora_copies_s", "pin_s",
-         "cpu_idle_s", "gpu_idle_s")
+SPLIT = ("gpu_busy_s", "cpu_experts_s", "expert_lora_s", "h2d_gb", "h2d_gbps", "pcie_share", "copies_s",
+         "lora_copies_s", "pin_s", "cpu_idle_s", "gpu_idle_s")
 
 
 def bench(*args):
@@ -42,6 +42,7 @@ def test_every_run_reports_its_speed_split_memory_and_kernel_time(tmp_path):
         split = row["split"]
         assert set(split) == set(SPLIT)
         assert split["cpu_experts_s"] > 0 and split["gpu_busy_s"] > 0 and split["copies_s"] >= 0
+        assert split["h2d_gb"] == 0 and split["h2d_gbps"] is None and split["pcie_share"] is None  # no copies
         assert split["cpu_idle_s"] == pytest.approx(row["step_s"] - split["cpu_experts_s"])
         assert (split["expert_lora_s"] is None) == (not row["expert_lora"])
         memory = row["memory"]  # counted on the CPU (LiveTensors): weights, LoRA and AdamW state are resident
@@ -252,3 +253,13 @@ def test_per_step_counts_cover_the_timed_steps_only():
                         counters=lambda: (calls[0], 10 * calls[0]))
     assert calls[0] == 2 + 3 + 1  # the warm-up, the timed steps, the memory step
     assert timed["counted"] == (3, 30)
+
+
+def test_pcie_share_is_the_copies_bound_over_the_step():
+    """`pcie_share` = (bytes / pinned bandwidth) / step: 53.1 GB at 55.1 GB/s in 1.16 s is 0.83 of the PCIe bound;
+    without copies or a measured bandwidth (no GPU) there is no share, and no bandwidth is measured on the CPU."""
+    from ktcore.commands.bench_train import pcie_share, pinned_gbps
+
+    assert pcie_share(53.1, 1.16, 55.1) == pytest.approx(0.8308, abs=1e-4)
+    assert pcie_share(0.0, 1.16, 55.1) is None and pcie_share(53.1, 1.16, None) is None
+    assert pinned_gbps(torch.device("cpu")) is None

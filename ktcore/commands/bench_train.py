@@ -287,6 +287,26 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
     return out
 
 
+def pcie_share(h2d_gb: float, step_s: float, gbps: Optional[float]) -> Optional[float]:
+    """How close a step comes to the PCIe bound its copies set: (bytes / pinned bandwidth) / step seconds (1: the
+    step takes exactly as long as its copies alone would); None without copies or a measured bandwidth."""
+    return h2d_gb / gbps / step_s if h2d_gb and gbps else None
+
+
+_PINNED_GBPS: dict = {}
+
+
+def pinned_gbps(device: torch.device) -> Optional[float]:
+    """Pinned host-to-device GB/s of ``device`` (a GPU), measured once per process; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    if device not in _PINNED_GBPS:
+        from ..experts.probe import measure_h2d_gbps
+
+        _PINNED_GBPS[device] = measure_h2d_gbps()
+    return _PINNED_GBPS[device]
+
+
 def copy_counts(stream, resident: list) -> tuple:
     """Cumulative (bytes copied host-to-device, resident-set refreshes, their host seconds) of a model's streamed
     layers (``stream``, or None) and resident experts (``kt_num_gpu_experts``)."""
@@ -563,6 +583,8 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                 # they set; kt_num_gpu_experts: the resident experts' refresh copies), and the refreshes
                 copied, refreshes, refresh_s = timed["counted"]
                 split["h2d_gb"] = copied / settings.steps / 1e9
+                split["h2d_gbps"] = pinned_gbps(device) if copied else None
+                split["pcie_share"] = pcie_share(split["h2d_gb"], step_s, split["h2d_gbps"])
                 if resident:
                     split["gpu_experts_refreshes"] = refreshes
                     split["gpu_experts_refresh_s"] = refresh_s / settings.steps
@@ -760,7 +782,7 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
 
 COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), ("tok_s", "tok/s"), ("step_s", "step s"),
            ("gpu_busy_s", "gpu busy"), ("cpu_experts_s", "cpu experts"), ("expert_lora_s", "expert lora"),
-           ("h2d_gb", "h2d GB"), ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"),
+           ("h2d_gb", "h2d GB"), ("pcie_share", "PCIe share"), ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"),
            ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("kernel_step_routing_s", "kernels, step routing"), ("routing_max_over_mean", "routing max/mean"),
