@@ -782,8 +782,8 @@ def run(settings: Settings, model_dir: Optional[Path] = None, workdir: Optional[
 
 COLUMNS = (("run", "run"), ("expert_format", "experts"), ("tokens", "tokens"), ("tok_s", "tok/s"), ("step_s", "step s"),
            ("gpu_busy_s", "gpu busy"), ("cpu_experts_s", "cpu experts"), ("expert_lora_s", "expert lora"),
-           ("h2d_gb", "h2d GB"), ("pcie_share", "PCIe share"), ("copies_s", "copies"), ("lora_copies_s", "lora copies"), ("pin_s", "pin"),
-           ("cpu_idle_s", "cpu idle"),
+           ("h2d_gb", "h2d GB"), ("pcie_share", "PCIe share"), ("copies_s", "copies"),
+           ("lora_copies_s", "lora copies"), ("pin_s", "pin"), ("cpu_idle_s", "cpu idle"),
            ("gpu_idle_s", "gpu idle"), ("kernel_s", "kernels"), ("kernel_no_lora_s", "kernels no lora"),
            ("kernel_step_routing_s", "kernels, step routing"), ("routing_max_over_mean", "routing max/mean"),
            ("overhead_ratio", "step/(kernels+gpu)"), ("peak_gpu_gib", "peak gpu GiB"),
