@@ -14,6 +14,7 @@ Without a GPU everything runs on the CPU at a tiny shape of the same family (the
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import shutil
@@ -293,18 +294,12 @@ def pcie_share(h2d_gb: float, step_s: float, gbps: Optional[float]) -> Optional[
     return h2d_gb / gbps / step_s if h2d_gb and gbps else None
 
 
-_PINNED_GBPS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def pinned_gbps(device: torch.device) -> Optional[float]:
     """Pinned host-to-device GB/s of ``device`` (a GPU), measured once per process; None on the CPU."""
-    if device.type != "cuda":
-        return None
-    if device not in _PINNED_GBPS:
-        from ..experts.probe import measure_h2d_gbps
+    from ..experts.probe import measure_h2d_gbps
 
-        _PINNED_GBPS[device] = measure_h2d_gbps()
-    return _PINNED_GBPS[device]
+    return measure_h2d_gbps() if device.type == "cuda" else None
 
 
 def copy_counts(stream, resident: list) -> tuple:

@@ -86,6 +86,10 @@ inline std::vector<std::array<int64_t, 3>> grad_tasks(const int64_t* off, int64_
   return tasks;
 }
 
+// Whether a factor's rank rows are fp32 with contiguous columns, readable in place (A's layout); others are copied
+// into fp32 rows first.
+inline bool in_place(const Factor& f) { return !f.bf16 && f.s_col == 1; }
+
 // Element (bytes) size of a fp32 or bf16 row.
 inline int64_t elem_bytes(bool bf16) { return bf16 ? 2 : 4; }
 
@@ -96,7 +100,7 @@ inline void rank_rows(const Leaves& L, const Factor& f, int rank, int64_t e, int
                       bool accumulate, Scratch& s) {
   const float* fb = static_cast<const float*>(f.at(e, c0));
   int64_t ldf = f.s_rank;
-  if (f.bf16 || f.s_col != 1) {  // an fp32 copy with contiguous rows
+  if (!in_place(f)) {  // an fp32 copy with contiguous rows
     float* b = s.block(rank * n);
     L.block(f.at(e, c0), f.bf16, f.s_rank, f.s_col, rank, n, b, n);
     fb = b;
@@ -110,7 +114,7 @@ inline void rank_rows(const Leaves& L, const Factor& f, int rank, int64_t e, int
 inline void expand_rows(const Leaves& L, const Factor& f, int rank, float scale, int64_t e, int64_t c0, int64_t nc,
                         const float* q, int64_t r0, int64_t m, float* out, int64_t ldo, Scratch& s) {
   if (nc <= 0 || m <= 0) return;
-  if (!f.bf16 && f.s_col == 1) {  // fp32 rows already (A's layout): read in place
+  if (in_place(f)) {
     L.expand(static_cast<const float*>(f.at(e, c0)), f.s_rank, rank, nc, q + r0 * rank, rank, m, scale, out, ldo);
     return;
   }
