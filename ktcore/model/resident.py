@@ -3,8 +3,8 @@
 Per MoE layer (KTransformers' ``--kt-num-gpu-experts`` counts experts kept on the GPU; here the count is per layer,
 so a model keeps N x its MoE layers experts resident). The CPU backend still packs all E experts; N of them are
 also in a buffer on the model's device, in HF's layout (gate_up [N, 2I, H], down [N, H, I]), computed there by
-transformers' grouped experts kernel with expert LoRA added as PEFT adds it (the stream's code path,
-``model/stream.py``); the LoRA factors of those N experts are gathered from PEFT's parameters with ``index_select``,
+transformers' grouped experts kernel with expert LoRA beside it (``model/device_experts.py``, as streamed layers
+compute); the LoRA factors of those N experts are gathered from PEFT's parameters with ``index_select``,
 so their gradients reach PEFT's own tensors. Each token-slot goes to one side: a resident expert's slots carry the
 backend's "no expert" id (E) for the CPU, every other slot the kernel's (N) on the device, and the outputs add up.
 On a GPU the CPU share is submitted first and collected after the device's share is enqueued (``HybridPoint``),
@@ -47,8 +47,8 @@ from ..errors import ConfigError
 from ..experts import can_unpack, replay
 from .hybrid import HybridPoint
 from .peft_expert_lora import expert_lora_of
-from .stream import (GPU_EXPERTS_IMPLEMENTATION, _WeightsOf, _with_lora, host_layout, rebuilt_in_backward,
-                     weight_of)
+from .device_experts import device_experts
+from .stream import host_layout, weight_of
 
 DECAY = 0.5  # counts are multiplied by this at each choice: the last interval weighs as much as all before it
 # an expert displaces a resident one only with this many standard deviations more slots (``top_experts``); decayed
@@ -138,7 +138,7 @@ class ResidentExperts:
             if cuda:  # pinned, so the copy to the device runs without holding up the host
                 part = tuple(t.pin_memory() for t in part)
                 self.copied_bytes += sum(t.numel() * t.element_size() for t in part)
-            arrived = weight_of(tuple(t.to(self.device, non_blocking=cuda) for t in part), self.dtype).to(self.dtype)
+            arrived = weight_of(tuple(t.to(self.device, non_blocking=cuda) for t in part), self.dtype)
             if not held:
                 weights.append(arrived)
                 continue
@@ -210,10 +210,8 @@ def resident_forward(module, layer, resident: ResidentExperts, hidden_states, to
 
 
 def resident_share(module, chosen: ResidentSet, hidden_states, slot, top_k_weights, lora):
-    """The resident experts' share: their LoRA factors gathered (differentiably) from the layer's, added to their
-    weights, transformers' grouped kernel; autograd keeps a note, not the weights with LoRA added, for backward."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
+    """The resident experts' share: ``device_experts`` on their device weights, with their LoRA factors gathered
+    (differentiably) from the layer's, so the gradients reach PEFT's own tensors."""
     ids = chosen.ids_device
 
     def gathered(a, b, scale):
@@ -221,12 +219,4 @@ def resident_share(module, chosen: ResidentSet, hidden_states, slot, top_k_weigh
 
     factors = (None, None) if lora is None else (gathered(lora.gate_up_a, lora.gate_up_b, lora.gate_up_scale),
                                                  gathered(lora.down_a, lora.down_b, lora.down_scale))
-    dtype = hidden_states.dtype
-
-    def rebuild(part):
-        return _with_lora((chosen.weights[part],), factors[part], dtype)
-
-    weights = (rebuild(0), rebuild(1))
-    experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
-    with rebuilt_in_backward(weights, rebuild):
-        return experts(_WeightsOf(module, *weights), hidden_states, slot, top_k_weights)
+    return device_experts(module, chosen.weights, factors, hidden_states, slot, top_k_weights)

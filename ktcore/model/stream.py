@@ -1,12 +1,12 @@
 """``gpu_stream`` placement: routed experts live in host memory and are copied to the model's device for each use.
 
 A streamed layer keeps its experts in HF's own layout (gate_up [E, 2I, H], down [E, H, I]) in pinned host memory
-and computes with transformers' own grouped experts kernel on the device, expert LoRA added to the copied weights
-as PEFT's ``W + scaling * B @ A`` (the placeholders still carry PEFT's factors, so adapters are unchanged). With
-int8 experts (``streams_int8``) the host keeps, the copy moves and the ring holds each projection's int8 codes and
+and computes on the device with ``device_experts``: transformers' own grouped experts kernel, and expert LoRA from
+PEFT's factors beside the GEMMs (the placeholders still carry PEFT's factors, so adapters are unchanged). With int8
+experts (``streams_int8``) the host keeps, the copy moves and the ring holds each projection's int8 codes and
 per-channel scales (``ktcore.experts.int8``: the weights the int8 CPU backend computes with, half the bytes); a
-layer dequantises them as it computes, into the tensor its LoRA is then added to in place, so the GPU holds one
-bf16 copy of the computing layer beside the ring's codes.
+layer dequantises them as it computes, so the GPU holds one bf16 copy of the computing layer beside the ring's
+codes.
 
 ``ExpertStream`` is one model's ring: the device copies of the last ``ring`` layers used. While a layer computes,
 the next one's copy runs on a side stream (the layer after in forward, the layer before in backward). Autograd
@@ -26,10 +26,8 @@ from typing import Callable, Optional
 import torch
 
 from ..experts.int8 import Int8Experts
+from .device_experts import device_experts
 from .pinned import pinned
-
-GPU_EXPERTS_IMPLEMENTATION = "grouped_mm"  # transformers' own, for streamed layers and layers placed on the GPU
-
 
 def host_layout(weights, dtype) -> tuple[tuple, tuple]:
     """One layer's experts as the stream (and resident experts) keep them in host memory: (gate_up, down) in HF's
@@ -47,7 +45,7 @@ def weight_of(part: tuple, dtype) -> torch.Tensor:
     itself, or int8 codes times their scales, computed in float32 and rounded once to ``dtype``
     (``ktcore.experts.int8.dequantize``'s bits, without its float32 copy of the layer on a GPU)."""
     if len(part) == 1:
-        return part[0]
+        return part[0].to(dtype)
     codes, scales = part
     return torch.mul(codes, scales.unsqueeze(-1), out=torch.empty(codes.shape, dtype=dtype, device=codes.device))
 
@@ -160,69 +158,44 @@ class _Refetch:
     offset: int  # from the weight's own first element (a refetch may land in a larger copy, at another offset)
 
 
-class _WeightsOf:
-    """The experts module as transformers' kernel sees it, with the streamed weights in place of the
-    placeholders; a hybrid layer's GPU share is a slice of the experts, the others' slots carry transformers'
-    expert-parallel sentinel (an id past the slice: no expert)."""
-
-    def __init__(self, module, gate_up, down):
-        sliced = gate_up.shape[0] != module.num_experts
-        # experts modules of transformers 5.25 carry _is_expert_parallel; those of 5.17 do not
-        self.__dict__.update(_module=module, gate_up_proj=gate_up, down_proj=down, num_experts=gate_up.shape[0],
-                             _is_expert_parallel=sliced or getattr(module, "_is_expert_parallel", False))
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-
-def _with_lora(part: tuple, factors, dtype) -> torch.Tensor:
-    """One projection's weights (``part`` as the host keeps it, ``weight_of``) in ``dtype`` plus ``scaling * B @ A``
-    per expert (PEFT's parametrisation of a target parameter). Int8 codes dequantise into a fresh tensor, which
-    takes the LoRA in place: one layer-sized tensor on the device, not two."""
-    weight = weight_of(part, dtype).to(dtype)
-    if factors is None:
-        return weight
-    b, a, scale = factors
-    delta = (torch.bmm(b, a) * scale).to(dtype)
-    return weight.add_(delta) if len(part) > 1 else weight + delta
-
-
 def streamed_forward(module, stream: ExpertStream, index: int, hidden_states, top_k_index, top_k_weights,
                      lora=None, first: int = 0, on_fetched=None):
-    """One streamed layer's experts: fetch, add LoRA, run transformers' grouped kernel; backward fetches again.
-    ``first``: the GPU computes experts ``first..`` of the layer (a hybrid layer's GPU share), and
-    ``top_k_index`` counts from there (an id past them: no expert); ``lora`` is the whole layer's. ``on_fetched``
-    is called once the weights are ready (where auto placement starts timing the GPU's work)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
+    """One streamed layer's experts: fetch, then ``device_experts`` (transformers' grouped kernel, expert LoRA
+    beside it); backward fetches again. ``first``: the GPU computes experts ``first..`` of the layer (a hybrid
+    layer's GPU share), and ``top_k_index`` counts from there (an id past them: no expert); ``lora`` is the whole
+    layer's. ``on_fetched`` is called once the weights are ready (where auto placement starts timing the GPU's
+    work)."""
     part = slice(first, None)
     factors = (None, None) if lora is None else (
         None if lora.gate_up_a is None else (lora.gate_up_b[part], lora.gate_up_a[part], lora.gate_up_scale),
         None if lora.down_a is None else (lora.down_b[part], lora.down_a[part], lora.down_scale))
-    experts = ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION]
+    dtype = hidden_states.dtype
 
-    def weights(direction: int, dtype, timed: bool) -> tuple:
+    def weights(direction: int, timed: bool) -> tuple:
         base = stream.fetch(index, direction, first)
         if timed and on_fetched is not None:
             on_fetched()
-        return tuple(_with_lora(p, f, dtype) for p, f in zip(base, factors))
+        return tuple(weight_of(p, dtype) for p in base)
+
+    def experts(fetched, hidden, ids, routing):
+        return device_experts(module, fetched, factors, hidden, ids, routing)
 
     if stream.recompute and torch.is_grad_enabled():
-        return _recomputed(module, experts, weights, hidden_states, top_k_index, top_k_weights)
-    forward = weights(+1, hidden_states.dtype, timed=True)
+        return _recomputed(experts, weights, hidden_states, top_k_index, top_k_weights)
+    forward = weights(+1, timed=True)
     if stream.ring >= len(stream.host):  # every layer stays on the device: nothing to stream again
-        return experts(_WeightsOf(module, *forward), hidden_states, top_k_index, top_k_weights)
+        return experts(forward, hidden_states, top_k_index, top_k_weights)
 
     def refetch(part):
-        return _with_lora(stream.fetch(index, -1, first)[part], factors[part], hidden_states.dtype)
+        return weight_of(stream.fetch(index, -1, first)[part], dtype)
 
     with rebuilt_in_backward(forward, refetch):
-        return experts(_WeightsOf(module, *forward), hidden_states, top_k_index, top_k_weights)
+        return experts(forward, hidden_states, top_k_index, top_k_weights)
 
 
-def _recomputed(module, experts, weights, hidden_states, top_k_index, top_k_weights):
-    """kt_stream_activation: recompute. The layer's fetch, LoRA and grouped kernel (``experts``, with
-    ``weights(direction, dtype, timed)``) under ``torch.utils.checkpoint``: autograd keeps only the call's inputs,
+def _recomputed(experts, weights, hidden_states, top_k_index, top_k_weights):
+    """kt_stream_activation: recompute. The layer's fetch and experts (``experts(weights, hidden, ids, routing)``,
+    with ``weights(direction, timed)``) under ``torch.utils.checkpoint``: autograd keeps only the call's inputs,
     and backward fetches the layer again (the one before it prefetched, as backward goes) and runs its forward once
     more to differentiate it."""
     from torch.utils.checkpoint import checkpoint
@@ -232,8 +205,7 @@ def _recomputed(module, experts, weights, hidden_states, top_k_index, top_k_weig
     def run(hidden, ids, routing):
         again = bool(calls)
         calls.append(again)
-        return experts(_WeightsOf(module, *weights(-1 if again else +1, hidden.dtype, timed=not again)), hidden,
-                       ids, routing)
+        return experts(weights(-1 if again else +1, timed=not again), hidden, ids, routing)
 
     return checkpoint(run, hidden_states, top_k_index, top_k_weights, use_reentrant=False)
 
@@ -241,8 +213,7 @@ def _recomputed(module, experts, weights, hidden_states, top_k_index, top_k_weig
 def rebuilt_in_backward(weights: tuple, rebuild: Callable[[int], torch.Tensor]):
     """Saved-tensor hooks under which autograd keeps a note in place of every tensor that is (a view of) one of
     ``weights`` (gate_up, down), and backward gets it from ``rebuild(part)`` again, so a layer's device weights
-    (with LoRA added) are not held from its forward to its backward. ``rebuild`` runs without grad; the LoRA factors
-    have not changed since the forward (the optimizer steps after the backward)."""
+    are not held from its forward to its backward. ``rebuild`` runs without grad."""
     # the hooks live as long as what they saved: they hold the weights' addresses, not the weights themselves
     device = weights[0].device
     storages = [w.untyped_storage().data_ptr() for w in weights]

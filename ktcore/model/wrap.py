@@ -19,6 +19,7 @@ from ..specs import ArchSpec, import_object
 from . import host_lora, peft_expert_lora
 from .arch import expert_modules, experts_pattern, find_arch
 from .dense_mlp import PROJECTIONS, OffloadedMLP, dense_weights
+from .device_experts import GPU_EXPERTS_IMPLEMENTATION
 from .auto import AutoLayer, AutoPoint, AutoWindow, auto_forward, make_auto
 from .hybrid import HybridPoint, cpu_experts, hybrid_forward
 from .overlap import install_overlap
@@ -26,7 +27,7 @@ from .peft_expert_lora import expert_lora_of
 from .placement import num_gpu_experts, parse_rules, place
 from .placeholder import is_placeholder, make_placeholder
 from .resident import attach as attach_resident, check_count, check_unpack, resident_forward
-from .stream import GPU_EXPERTS_IMPLEMENTATION, ExpertStream, host_layout, streamed_forward
+from .stream import ExpertStream, host_layout, streamed_forward
 
 if TYPE_CHECKING:  # the config module sits above this one: it is parsed at the edge and handed down
     from ..config import KTConfig
