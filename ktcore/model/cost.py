@@ -216,8 +216,8 @@ def _gpu_memory(shape: ModelShape, s: Setting, resident_experts: float, routed_s
                 held_once: float = 0.0, chunked_loss: bool = True, streamed: bool = False) -> float:
     """Peak GPU bytes: weights, LoRA state, activations, and the routed experts' own when the GPU computes them
     (``resident_experts`` count twice: PEFT's ``W + scaling * B @ A`` is a second copy, kept for backward;
-    ``held_once`` experts once: streamed rings and kt_num_gpu_experts' buffers, whose LoRA-added copy is rebuilt in
-    backward). ``chunked_loss``: ktcore's LM loss (a run of ktcore), else transformers' full logits; ``streamed``:
+    ``held_once`` experts once: streamed rings and kt_num_gpu_experts' buffers, whose expert LoRA is computed beside
+    the GEMMs). ``chunked_loss``: ktcore's LM loss (a run of ktcore), else transformers' full logits; ``streamed``:
     the GPU's token-slots are streamed experts' (``kt_stream_activation`` applies)."""
     weights = (shape.non_expert_params + (2 * resident_experts + held_once) * shape.expert_params) * GPU_WEIGHT_BYTES
     lora = shape.lora_params_per_rank * s.lora_rank * LORA_STATE_BYTES
@@ -275,10 +275,12 @@ def _split(shape, s, rates, placement, share: float, times: LayerTimes, **kwargs
 
 
 def streamed_copies(shape: ModelShape, s: Setting) -> float:
-    """Experts (in bf16) a streaming step holds on the GPU at once: the ring's layers (int8 experts: their codes,
-    half), and the LoRA-added copy of the layer computing (rebuilt in backward, not kept from the forward:
-    ``stream.rebuilt_in_backward``)."""
-    return (min(s.ring, shape.moe_layers) * streamed_weight_bytes(s) / GPU_WEIGHT_BYTES + 1) * shape.experts
+    """Experts (in bf16) a streaming step holds on the GPU at once: the ring's layers, and with int8 experts
+    their codes (half) plus the layer computing dequantised (rebuilt in backward, not kept from the forward:
+    ``stream.rebuilt_in_backward``). Expert LoRA adds no copy: it is computed beside the GEMMs
+    (``model/device_experts.py``)."""
+    ring = min(s.ring, shape.moe_layers) * streamed_weight_bytes(s) / GPU_WEIGHT_BYTES
+    return (ring + (s.weight_format == "int8")) * shape.experts
 
 
 def fewest_cpu_experts(shape: ModelShape, s: Setting, rates: Rates, lo: int, hi: int) -> int:
@@ -298,7 +300,7 @@ def resident_cost(shape: ModelShape, s: Setting, rates: Rates) -> StepCost:
     """``cpu`` with ``s.gpu_experts`` (N) experts of each layer resident on the GPU: the GPU computes their
     token-slots while the CPU computes the rest. At the uniform routing the model assumes they get N/E of the
     slots (the most used experts get more: a lower bound of their share). GPU memory: their weights once per layer
-    plus one layer's LoRA-added copy; host: every expert packed once (a choice unpacks the resident ones from the
+    (dequantised at a refresh; expert LoRA beside the GEMMs adds no copy); host: every expert packed once (a choice unpacks the resident ones from the
     backend's); copies: N experts per layer at each choice (every ``gpu_experts_interval`` steps at most)."""
     n, layers = s.gpu_experts, shape.moe_layers
     share = n / shape.experts
@@ -309,7 +311,7 @@ def resident_cost(shape: ModelShape, s: Setting, rates: Rates) -> StepCost:
     refresh_bytes = layers * n * shape.expert_params * streamed_weight_bytes(s) / s.gpu_experts_interval
     return _cost("cpu_resident", shape, s, rates, dense + experts, experts, 1 - share, 0, share, refresh_bytes,
                  packed_share=1.0, pinned_share=0.0,
-                 choice=f"cpu, {n}/{shape.experts} experts resident", held_once=(layers + 1) * n)
+                 choice=f"cpu, {n}/{shape.experts} experts resident", held_once=layers * n)
 
 
 def choice_name(n: int, experts: int) -> str:
