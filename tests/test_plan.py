@@ -202,8 +202,8 @@ def rows(step):
 @pytest.mark.slow
 def test_plan_deepseek_v3_fits_only_a_big_host():
     """671B in bf16: 1.2 TiB of experts fits no 128 GiB host. On a 1.5 TiB host only the cpu placement of the fixed
-    ones fits the H200 at 2K tokens: a streamed layer is 22 GiB of bf16 experts, twice with its LoRA (W + B @ A),
-    and the expert LoRA's AdamW state alone is ~35 GiB; auto finds a split that fits beside it (a quarter of the
+    ones fits the H200 at 2K tokens: a streamed layer is 22 GiB of bf16 experts, two in the ring,
+    and the expert LoRA's AdamW state alone is ~35 GiB; auto finds a split that fits beside it (a third of the
     experts streamed), in a window of experts held twice that the rest of the 1.5 TiB holds; at 8K the
     activations leave nothing fitting."""
     small = plan_example("deepseek_v3", "--tokens", "2048")
