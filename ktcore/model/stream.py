@@ -29,6 +29,7 @@ from ..experts.int8 import Int8Experts
 from .device_experts import device_experts
 from .pinned import pinned
 
+
 def host_layout(weights, dtype) -> tuple[tuple, tuple]:
     """One layer's experts as the stream (and resident experts) keep them in host memory: (gate_up, down) in HF's
     layout, each projection ``(weight,)`` in ``dtype``, or for ``Int8Experts`` ``(codes [E, N, K], scales [E, N])``
