@@ -22,10 +22,11 @@ The constants below were fitted to ``ktcore bench train`` runs on the H200 machi
 DeepSeek-V2-Lite shape, amx_bf16), the GPU memory refitted to the 2026-12-05 lease (6 layers at 2K, 8K and 32K
 tokens/step, 27 layers at 2K with and without checkpointing, the whole model on the GPU): peak GPU memory within
 8% (27 layers at 8K, an older run: 17%), peak host memory within 6% for ``cpu``, tokens/s within 30%
-(``tests/test_plan.py`` holds them to it). Where it is known to be off: ``cpu`` at 32K tokens runs 1.5x faster
-than the one CPU rate predicts; ``gpu_stream``'s host memory was 24-31% above the model's (torch's pinned blocks,
-powers of two; ``model/pinned.py`` locks exact sizes since, not yet measured there); and ``hybrid`` at 2K and 8K
-ran 1.5-1.7x slower than predicted, its two sides not overlapping there (which is why ``auto`` measures).
+(``tests/test_plan.py`` holds them to it); 27 streamed layers at 8K (2026-12-06): GPU memory within 3%, host memory
+within 4%, bf16 tokens/s within 8%. Where it is known to be off: ``cpu`` at 32K tokens runs 1.5x faster than the
+one CPU rate predicts; ``gpu_stream`` of int8 experts (GPU-bound with checkpointing) ran 1.38x slower than
+predicted; and ``hybrid`` at 2K and 8K ran 1.5-1.7x slower than predicted, its two sides not overlapping there
+(which is why ``auto`` measures).
 """
 
 from __future__ import annotations
