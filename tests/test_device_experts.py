@@ -93,8 +93,9 @@ def test_without_lora_is_transformers_own_kernel():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 @pytest.mark.parametrize("rank", [8, 4])
 def test_factorised_lora_in_bf16_on_cuda(rank):
-    """bf16 weights and activations, fp32 factors (PEFT's), on the GPU's grouped GEMMs: within bf16's rounding of
-    the float64 reference (measured: about 4e-3)."""
+    """bf16 weights and activations, fp32 factors (PEFT's), on the GPU's grouped GEMMs: within a few of bf16's
+    roundings (3.9e-3 each) of the float64 reference. Passed on the H200 (2026-12-06); the error itself was not
+    printed there, so the bounds are the equivalence tests' bf16 ones."""
     experts = experts_of()
     weights = tuple(w.detach().to("cuda", torch.bfloat16) for w in (experts.gate_up_proj, experts.down_proj))
     ids, routing_weights = routing(experts)
