@@ -263,3 +263,17 @@ def test_pcie_share_is_the_copies_bound_over_the_step():
     assert pcie_share(53.1, 1.16, 55.1) == pytest.approx(0.8308, abs=1e-4)
     assert pcie_share(0.0, 1.16, 55.1) is None and pcie_share(53.1, 1.16, None) is None
     assert pinned_gbps(torch.device("cpu")) is None
+
+
+def test_profile_lists_one_steps_most_expensive_ops(tmp_path):
+    """--profile N: each ktcore run carries one more step's N ops with the most time of their own (the CPU's ops
+    here), most first; the streamed run's include the grouped GEMMs its experts run on."""
+    rows = bench("--tokens", "16", "--kernel-seconds", "0", "--no-expert-lora-off", "--placement", "cpu,gpu_stream",
+                 "--profile", "40", "--workdir", str(tmp_path))
+    for row in rows:
+        ops = row["profile"]
+        assert 0 < len(ops) <= 40 and all(op["ms"] >= 0 and op["calls"] >= 1 for op in ops)
+        assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
+    assert any(op["op"] == "aten::_grouped_mm" for op in rows[1]["profile"])
+    assert bench("--tokens", "16", "--kernel-seconds", "0", "--no-expert-lora-off",
+                 "--workdir", str(tmp_path))[0]["profile"] is None

@@ -240,10 +240,11 @@ def lora_config(model, rank: int, experts: bool = True):
 
 
 def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.device, timeline=None,
-                memory: bool = False, settled=None, counters=None) -> dict:
+                memory: bool = False, settled=None, counters=None, profile: int = 0) -> dict:
     """Time ``steps`` SFT steps of one ``tokens``-long sequence after ``warmup``, and after more while
     ``settled()`` is false (auto placement trying its candidates): mean step seconds and, with a
-    timeline, its mean spans per step; with ``memory``, one more step measured by phase (``memory_of_step``).
+    timeline, its mean spans per step; with ``memory``, one more step measured by phase (``memory_of_step``);
+    with ``profile``, one more step's ``profile`` most expensive ops (``profile_step``).
     ``counters()`` (cumulative counts, a tuple): how much each grew over the timed steps, as ``counted``."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -282,10 +283,26 @@ def train_steps(model, tokens: int, warmup: int, steps: int, device: torch.devic
            **_peaks(device)}  # before the memory step resets the GPU's peak
     if spans:
         out["spans"] = {k: statistics.mean(s[k] for s in spans) for k in spans[0]}
+    if profile:
+        out["profile"] = profile_step(lambda: step(batch()), profile, device)
     if memory:
         out["memory"] = memory_of_step(model, optimizer, batch())
     del optimizer
     return out
+
+
+def profile_step(step, rows: int, device: torch.device) -> list:
+    """One ``step()`` under torch's profiler: its ``rows`` ops with the most time of their own on the model's device
+    (the GPU's kernels; without one, the CPU's ops), as {"op", "ms", "calls"} per step, most first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        _sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:rows]
+    return [{"op": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in ops]
 
 
 def pcie_share(h2d_gb: float, step_s: float, gbps: Optional[float]) -> Optional[float]:
@@ -474,6 +491,7 @@ class Settings:
     num_gpu_experts: tuple = (0,)  # kt_num_gpu_experts of each cpu run, side by side
     gpu_experts_interval: int = 8  # kt_gpu_experts_interval of those runs
     rates: Optional[str] = None  # kt_rates of the auto and re-balanced hybrid runs (None: measured at load)
+    profile: int = 0  # ops listed from one more step of each run under torch's profiler (0: none)
     device: torch.device = field(default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
     @property
@@ -571,7 +589,7 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                 with attach(base) as timeline:
                     timed = train_steps(model, tokens, settings.warmup, settings.steps, device, timeline, memory=True,
                                         settled=auto and (lambda: auto.settled(tokens)),
-                                        counters=lambda: copy_counts(stream, resident))
+                                        counters=lambda: copy_counts(stream, resident), profile=settings.profile)
                 step_s = timed["step_s"]
                 split = split_of(step_s, timed["spans"], device)
                 # over the timed steps: host-to-device expert bytes per step (gpu_stream: the pinned-bandwidth bound
@@ -596,7 +614,7 @@ def run_ktcore(settings: Settings, model_dir: Path, expert_format: str = "bf16",
                            overhead_ratio=step_s / (kernel_s + split["gpu_busy_s"]) if kernel_s else None,
                            peak_gpu_gib=timed["peak_gpu_gib"], peak_host_gib=timed["peak_host_gib"],
                            host_lora_gib=host_factor_bytes(base) / GIB, memory=timed["memory"],
-                           auto_choice=auto and auto_choices(auto, tokens), error=None)
+                           auto_choice=auto and auto_choices(auto, tokens), profile=timed.get("profile"), error=None)
             except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others still run
                 yield _row(settings, run, tokens, **common, expert_lora=expert_lora, error=_error_line(exc))
             finally:
@@ -808,6 +826,13 @@ def format_row(row: dict) -> str:
         return "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
 
     return "| " + " | ".join(cell(key) for key, _ in COLUMNS) + " |"
+
+
+def format_profile(row: dict) -> str:
+    """The run's profiled step (``--profile``) under its row: one line per op."""
+    ops = row.get("profile") or []
+    head = f"  profile of one step, {row['run']} at {row['tokens']} tokens (ms of its own, calls):"
+    return "\n".join([head] + [f"    {op['ms']:9.2f}  {op['calls']:6d}  {op['op']}" for op in ops]) if ops else ""
 
 
 def environment() -> dict:

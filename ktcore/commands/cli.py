@@ -470,18 +470,22 @@ def _share(text: str) -> float:
               help="kt_gpu_experts_interval of the --num-gpu-experts runs (forward calls between choices)")
 @click.option("--expert-lora-device", "lora_devices", default="model", show_default=True,
               help="comma list of kt_expert_lora_device values, each run side by side (model, host)")
+@click.option("--profile", default=0, show_default=True, type=click.IntRange(min=0),
+              help="after each ktcore run's timed steps, one more step under torch's profiler: list its N ops with "
+                   "the most time of their own on the model's device")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line: the environment, then each run")
 def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmup, gradient_checkpointing,
                 expert_lora_off, baseline, kernel_seconds, expert_formats, loss_steps, model_dir, workdir, keep, on_cpu,
                 placements, stream_ring, stream_activation, num_gpu_experts, gpu_experts_interval, hybrid_cpu_share,
-                rates_path, lora_devices, as_json):
+                rates_path, lora_devices, profile, as_json):
     """LoRA SFT steps of a random-weight model of a real shape, as ktcore train runs them: tokens/s, where the
     step's time goes, peak memory, and the kernel-only time of the same layers (no GPU: a tiny shape)."""
     from pathlib import Path
 
     import torch
 
-    from .bench_train import EXPERT_FORMATS, SHAPES, Settings, environment, format_header, format_row, run
+    from .bench_train import (EXPERT_FORMATS, SHAPES, Settings, environment, format_header, format_profile,
+                              format_row, run)
 
     formats = {f.strip() for f in expert_formats.split(",")}
     if not formats <= set(EXPERT_FORMATS):
@@ -498,7 +502,7 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
                         expert_formats=tuple(f for f in EXPERT_FORMATS if f in formats), loss_steps=loss_steps,
                         placements=tuple(p.strip() for p in placements.split(",")), stream_ring=stream_ring,
                         stream_activation=stream_activation, gpu_experts_interval=gpu_experts_interval,
-                        hybrid_cpu_share=share, rates=rates_path,
+                        hybrid_cpu_share=share, rates=rates_path, profile=profile,
                         expert_lora_devices=tuple(d.strip() for d in lora_devices.split(",")))
     try:
         settings.num_gpu_experts = tuple(int(n) for n in num_gpu_experts.split(","))
@@ -531,9 +535,13 @@ def bench_train(shape, layers, tokens, backend, threads, lora_rank, steps, warmu
         click.echo(json.dumps({"environment": environment()}))
     else:
         click.echo(format_header(settings))
+    profiles = []  # --profile: printed under the table (in --json, each run's row carries its own)
     for row in run(settings, Path(model_dir) if model_dir else None, workdir, keep):
         click.echo(json.dumps(row) if as_json else format_row(row))
+        profiles.append(format_profile(row))
         sys.stdout.flush()  # each run as it finishes, also into a pipe (a run cut short keeps what it measured)
+    if not as_json and any(profiles):
+        click.echo("\n".join(p for p in profiles if p))
 
 
 @main.command()
