@@ -196,6 +196,18 @@ def train(config_path, frontend, overrides):
     summary = run_frontend(frontend, _config_here("train", config_path, frontend, overrides))
     if is_main_rank():  # launched on several ranks (torchrun, accelerate launch): one summary, rank 0's
         click.echo(json.dumps(summary, indent=2, default=str))
+    _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """A launched job's ranks tear their process group down once training succeeded, while the interpreter is
+    whole: left to interpreter exit, gloo's worker threads may still hold work whose tensors then abort the process
+    ("terminate called without an active exception", pytorch/pytorch#190489; a rank of tests/test_ddp.py died so
+    in CI after its summary was printed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @main.command("eval", context_settings={"ignore_unknown_options": False})
