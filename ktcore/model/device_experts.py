@@ -43,7 +43,7 @@ def device_experts(module, weights: tuple, factors: tuple, hidden_states, top_k_
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     view = WeightsOf(module, *weights)
-    if factors == (None, None):
+    if all(f is None for f in factors):
         return ALL_EXPERTS_FUNCTIONS[GPU_EXPERTS_IMPLEMENTATION](view, hidden_states, top_k_index, top_k_weights)
     if getattr(module, "has_bias", False) or getattr(module, "is_transposed", False):
         raise NotImplementedError(f"{type(module).__name__}: expert LoRA on the model's device is written for "
