@@ -36,6 +36,12 @@ struct Dims {
 // Backward tasks take more rows: each first derives the transposed weight blocks it needs.
 constexpr int64_t kFwdTaskRows = 256;
 constexpr int64_t kBwdTaskRows = 1024;
+// Backward needs W^T: for each step (64 rows of W) a unit of 32 columns reads 512 bytes from each of four streams
+// a whole stream apart. Alone, such pieces cost a TLB miss each and never ramp up the hardware prefetchers, so a
+// backward task covers up to kBwdGroup adjacent units (their pieces are contiguous: kBwdGroup x 512 bytes of every
+// stream) and prefetches the pieces of step kt + kPrefetchSteps while it transposes step kt.
+constexpr int64_t kBwdGroup = 4;
+constexpr int64_t kPrefetchSteps = 2;
 
 // Row n (Kp codes) of a matrix into its stream (the 16 rows of n's block row), block layout.
 void put_row(const int8_t* row, int64_t n, int64_t Kp, int8_t* stream) {
@@ -47,6 +53,30 @@ std::pair<int64_t, int64_t> source_row(int64_t p, const int64_t* off, const int6
   const int64_t e = std::upper_bound(poff, poff + E + 1, p) - poff - 1;
   const int64_t i = p - poff[e];
   return {e, i < off[e + 1] - off[e] ? off[e] + i : -1};
+}
+
+// The W^T blocks of units [unit, unit + n) (32 columns of W's inputs each) for steps kt0..kt1 of W (one expert's
+// packed matrix, KB blocks per stream): unit j's first 16 columns at out + (2j stride + kt - kt0) blocks, its next
+// 16 at out + ((2j + 1) stride + kt - kt0). Column c of a stream starts at byte 16 c (kernels.hpp's block layout),
+// so step kt's pieces are 512 n bytes from 512 unit in each of the streams 4 kt .. 4 kt + 3.
+void transpose_units(const KernelTable& K, const int8_t* W, int64_t KB, int64_t unit, int64_t n, int64_t kt0,
+                     int64_t kt1, int8_t* out, int64_t stride) {
+  auto prefetch = [&](int64_t kt) {
+    if (kt >= kt1) return;
+    for (int64_t g = 0; g < 4; ++g) {
+      const char* piece = reinterpret_cast<const char*>(W + (4 * kt + g) * KB * kBlockBytes + 512 * unit);
+      for (int64_t l = 0; l < 512 * n; l += 64) __builtin_prefetch(piece + l, 0, 3);
+    }
+  };
+  for (int64_t kt = kt0; kt < kt0 + kPrefetchSteps; ++kt) prefetch(kt);
+  for (int64_t kt = kt0; kt < kt1; ++kt) {
+    prefetch(kt + kPrefetchSteps);
+    for (int64_t j = 0; j < n; ++j) {
+      int8_t* o = out + (2 * j * stride + kt - kt0) * kBlockBytes;
+      K.transpose_block(W, KB, 32 * (unit + j), kt, o);
+      K.transpose_block(W, KB, 32 * (unit + j) + 16, kt, o + stride * kBlockBytes);
+    }
+  }
 }
 
 }  // namespace
@@ -251,28 +281,28 @@ void Engine::bwd_down(uintptr_t gyq_, int64_t lda, uintptr_t gys_, uintptr_t off
     lora::rank_phase(sched_, "bwd down: lora B^T g", K_->lora, off, E, lora->b, lora->rank, H, P<const void>(gy),
                      gy_bf16, gy_stride, tok, qd);
   auto task = [&](const Task& t, int pool, int tid, int64_t, int64_t) {
-    const int64_t p = t.unit, ncol = std::min<int64_t>(32, I - p * 32), m = t.r1 - t.r0;
-    int8_t* s = sched_.scratch_blocks(pool, tid, 2 * kt_n);
-    const int8_t* W = d.dn_expert(dn, t.e);
-    for (int64_t kt = 0; kt < kt_n; ++kt) {
-      K_->transpose_block(W, d.dn_kb(), 32 * p, kt, s + kt * kBlockBytes);
-      K_->transpose_block(W, d.dn_kb(), 32 * p + 16, kt, s + (kt_n + kt) * kBlockBytes);
-    }
+    const int64_t n = t.units, m = t.r1 - t.r0;
+    int8_t* s = sched_.scratch_blocks(pool, tid, 2 * n * kt_n);
+    transpose_units(*K_, d.dn_expert(dn, t.e), d.dn_kb(), t.unit, n, 0, kt_n, s, kt_n);
     int32_t* Ci = sched_.scratch_ci(pool, tid);
     float* C = sched_.scratch_cf(pool, tid);
     for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
       const int64_t mm = std::min(kRowChunk, m - m0), row0 = t.r0 + m0;
-      K_->gemm_block(gyq + (t.p0 + m0) * lda, lda, mm, s, s + kt_n * kBlockBytes, kt_n, Ci, 32);
-      K_->dequant(Ci, 32, mm, ncol, gys + row0, nullptr, C, 32);
-      if (lora)  // gh += scale * A_e^T qd on these columns of I
-        lora::expand_rows(K_->lora, lora->a, lora->rank, lora->scale, t.e, p * 32, ncol, qd, row0, mm, C, 32,
-                          sched_.lora_scratch(pool, tid));
-      for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + r) * I + p * 32, C + r * 32, ncol * 4);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = t.unit + j, ncol = std::min<int64_t>(32, I - p * 32);
+        const int8_t* sj = s + 2 * j * kt_n * kBlockBytes;
+        K_->gemm_block(gyq + (t.p0 + m0) * lda, lda, mm, sj, sj + kt_n * kBlockBytes, kt_n, Ci, 32);
+        K_->dequant(Ci, 32, mm, ncol, gys + row0, nullptr, C, 32);
+        if (lora)  // gh += scale * A_e^T qd on these columns of I
+          lora::expand_rows(K_->lora, lora->a, lora->rank, lora->scale, t.e, p * 32, ncol, qd, row0, mm, C, 32,
+                            sched_.lora_scratch(pool, tid));
+        for (int64_t r = 0; r < mm; ++r) std::memcpy(gh + (row0 + r) * I + p * 32, C + r * 32, ncol * 4);
+      }
     }
   };
   {
     const auto span = sched_.phase_clock().span("bwd down: gemm");
-    sched_.run_split(off, poff, E, units, /*split_units=*/true, 0, kBwdTaskRows, task);
+    sched_.run_split(off, poff, E, units, /*split_units=*/true, 0, kBwdTaskRows, task, kBwdGroup);
   }
 }
 
@@ -335,33 +365,36 @@ void Engine::bwd_gate_up(uintptr_t ggq_, int64_t lda, uintptr_t ggs_, uintptr_t 
     lora::rank_phase(sched_, "bwd gate_up: lora B^T g", K_->lora, off, E, lora->b, lora->rank, 2 * I, ggu_rows, true,
                      2 * I, nullptr, qg);
   auto task = [&](const Task& t, int pool, int tid, int64_t k0, int64_t k1) {
-    const int64_t np = t.unit, nc = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0, nk = k1 - k0;
-    int8_t* s = sched_.scratch_blocks(pool, tid, 2 * nk);
-    for (int64_t kt = k0; kt < k1; ++kt) {
-      const int8_t* W = d.gu_expert(kt < half ? gate : up, t.e);
-      K_->transpose_block(W, d.gu_kb(), 32 * np, kt % half, s + (kt - k0) * kBlockBytes);
-      K_->transpose_block(W, d.gu_kb(), 32 * np + 16, kt % half, s + (nk + kt - k0) * kBlockBytes);
-    }
+    const int64_t n = t.units, m = t.r1 - t.r0, nk = k1 - k0, mid = std::clamp(half, k0, k1);
+    int8_t* s = sched_.scratch_blocks(pool, tid, 2 * n * nk);
+    // steps k0..mid are gate's (its 64-row groups), mid..k1 up's
+    transpose_units(*K_, d.gu_expert(gate, t.e), d.gu_kb(), t.unit, n, k0, mid, s, nk);
+    transpose_units(*K_, d.gu_expert(up, t.e), d.gu_kb(), t.unit, n, mid - half, k1 - half,
+                    s + (mid - k0) * kBlockBytes, nk);
     int32_t* Ci = sched_.scratch_ci(pool, tid);
     float* C = sched_.scratch_cf(pool, tid);
     float* out = parts + static_cast<int64_t>(pool) * R * H;
     for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
       const int64_t mm = std::min(kRowChunk, m - m0), row0 = t.r0 + m0;
-      if (nk > 0) {
-        K_->gemm_block(ggq + (t.p0 + m0) * lda + k0 * kBlockK, lda, mm, s, s + nk * kBlockBytes, nk, Ci, 32);
-        K_->dequant(Ci, 32, mm, nc, ggs + row0, nullptr, C, 32);
-      } else {  // more pools than 64-column pieces of 2 Ip: this pool's part is zero
-        std::fill(C, C + mm * 32, 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t np = t.unit + j, nc = std::min<int64_t>(32, H - np * 32);
+        const int8_t* sj = s + 2 * j * nk * kBlockBytes;
+        if (nk > 0) {
+          K_->gemm_block(ggq + (t.p0 + m0) * lda + k0 * kBlockK, lda, mm, sj, sj + nk * kBlockBytes, nk, Ci, 32);
+          K_->dequant(Ci, 32, mm, nc, ggs + row0, nullptr, C, 32);
+        } else {  // more pools than 64-column pieces of 2 Ip: this pool's part is zero
+          std::fill(C, C + mm * 32, 0.f);
+        }
+        if (lora && lora_pool(np) == pool)  // grad_x += scale * A_e^T qg on these columns of H
+          lora::expand_rows(K_->lora, lora->a, lora->rank, lora->scale, t.e, np * 32, nc, qg, row0, mm, C, 32,
+                            sched_.lora_scratch(pool, tid));
+        for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + r) * H + np * 32, C + r * 32, nc * 4);
       }
-      if (lora && lora_pool(np) == pool)  // grad_x += scale * A_e^T qg on these columns of H
-        lora::expand_rows(K_->lora, lora->a, lora->rank, lora->scale, t.e, np * 32, nc, qg, row0, mm, C, 32,
-                          sched_.lora_scratch(pool, tid));
-      for (int64_t r = 0; r < mm; ++r) std::memcpy(out + (row0 + r) * H + np * 32, C + r * 32, nc * 4);
     }
   };
   {
     const auto span = sched_.phase_clock().span("bwd gate_up: gemm");
-    sched_.run_split(off, poff, E, units, /*split_units=*/false, 2 * half, kBwdTaskRows, task);
+    sched_.run_split(off, poff, E, units, /*split_units=*/false, 2 * half, kBwdTaskRows, task, kBwdGroup);
   }
 }
 

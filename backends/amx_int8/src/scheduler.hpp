@@ -19,12 +19,14 @@ T* P(uintptr_t a) { return reinterpret_cast<T*>(a); }
 inline int64_t rup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 struct Task {
-  int32_t e, unit;  // output unit `unit` of expert e
+  int32_t e, unit, units;  // output units [unit, unit + units) of expert e (units > 1 only in backward)
   int64_t r0, r1;   // rows [r0, r1) of expert e's rows
   int64_t p0;       // row r0 in the quantised buffers (each expert's rows padded to a multiple of 16)
 };
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert per inner step (C scratch 32 KB)
+// A task covers fewer units where its pool would otherwise get under this many tasks per thread.
+constexpr int64_t kTasksPerThread = 4;
 
 class Scheduler : public ktcore::PoolGroup {
  public:
@@ -34,23 +36,33 @@ class Scheduler : public ktcore::PoolGroup {
     for (int p = 0; p < this->num_pools(); ++p) scratch_.emplace_back(pool(p).num_threads());
   }
 
-  // Runs the tasks (expert, up to task_rows rows, unit) over all pools at once. split_units: the units [0, units)
+  // Runs the tasks (expert, up to task_rows rows, units) over all pools at once. split_units: the units [0, units)
   // are divided among the pools; otherwise every pool runs every unit over its own slice [k0, k1) of ksplit
-  // K-blocks (partial sums, one output part per pool).
+  // K-blocks (partial sums, one output part per pool). A task takes up to `group` consecutive units of its pool's
+  // (the last of a slice may take fewer); fewer where the pool would get under kTasksPerThread tasks per thread.
   void run_split(const int64_t* off, const int64_t* poff, int64_t E, int64_t units, bool split_units, int64_t ksplit,
-                 int64_t task_rows, const TaskFn& fn) {
+                 int64_t task_rows, const TaskFn& fn, int64_t group = 1) {
     const int npools = num_pools();
+    std::vector<Task> rows;  // (expert, row range) pairs, the same in every pool
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = off[e]; r < off[e + 1]; r += task_rows)
+        rows.push_back({static_cast<int32_t>(e), 0, 0, r, std::min(off[e + 1], r + task_rows), poff[e] + r - off[e]});
     std::vector<std::vector<Task>> tasks(npools);
     std::vector<std::pair<int64_t, int64_t>> kr(npools);
     for (int p = 0; p < npools; ++p) {
       const int64_t u0 = split_units ? units * p / npools : 0, u1 = split_units ? units * (p + 1) / npools : units;
       kr[p] = split_units ? std::make_pair<int64_t, int64_t>(0, 0)
                           : std::make_pair(ksplit * p / npools, ksplit * (p + 1) / npools);
-      for (int64_t e = 0; e < E; ++e)
-        for (int64_t r = off[e]; r < off[e + 1]; r += task_rows)
-          for (int64_t u = u0; u < u1; ++u)
-            tasks[p].push_back({static_cast<int32_t>(e), static_cast<int32_t>(u), r,
-                                std::min(off[e + 1], r + task_rows), poff[e] + r - off[e]});
+      int64_t g = std::max<int64_t>(1, group);
+      const int64_t want = kTasksPerThread * pool(p).num_threads();
+      while (g > 1 && static_cast<int64_t>(rows.size()) * ((u1 - u0 + g - 1) / g) < want) --g;
+      for (const Task& rt : rows)
+        for (int64_t u = u0; u < u1; u += g) {
+          Task t = rt;
+          t.unit = static_cast<int32_t>(u);
+          t.units = static_cast<int32_t>(std::min(g, u1 - u));
+          tasks[p].push_back(t);
+        }
     }
     run_task_lists(tasks, kr, fn);
   }
