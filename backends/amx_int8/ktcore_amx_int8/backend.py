@@ -83,7 +83,7 @@ class Int8Saved:
     route: Route
     g: torch.Tensor  # fp32 [R, I] gate pre-activation (LoRA included)
     u: torch.Tensor  # fp32 [R, I]
-    h: torch.Tensor  # fp32 [R, Ip] silu(g) * u
+    h: torch.Tensor  # bf16 [R, Ip] silu(g) * u as the down projection quantised it
     ax: Optional[torch.Tensor]  # fp32 [R, r]: A x of the gate_up LoRA (None without it)
     ah: Optional[torch.Tensor]  # fp32 [R, r]: A h of the down LoRA
     w_dtype: torch.dtype
@@ -234,7 +234,7 @@ class AMXInt8Backend(ExpertBackendBase):
             # saved for backward: leased from the pool; needed only within this call: the workspace's
             return lease.empty(shape, dtype) if save else self._ws.get(name, shape, dtype)
 
-        h = buffer("h", (R, ip), torch.float32)
+        h = buffer("h", (R, ip), torch.bfloat16)
         g = buffer("g", (R, I), torch.float32) if save else None
         u = buffer("u", (R, I), torch.float32) if save else None
         ax = buffer("ax", (R, lora_gu.rank), torch.float32) if lora_gu else None

@@ -189,7 +189,8 @@ void Engine::gate_up(uintptr_t xq_, int64_t lda, uintptr_t xs_, uintptr_t off_, 
   const int8_t *xq = P<const int8_t>(xq_), *gate = P<const int8_t>(gate_), *up = P<const int8_t>(up_);
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_);
   const float *xs = P<const float>(xs_), *gs = P<const float>(gate_scales), *us = P<const float>(up_scales);
-  float *h = P<float>(h_), *g = P<float>(g_), *u = P<float>(u_), *ax = P<float>(ax_);
+  uint16_t* h = P<uint16_t>(h_);
+  float *g = P<float>(g_), *u = P<float>(u_), *ax = P<float>(ax_);
   if (lora)
     lora::rank_phase(sched_, "fwd gate_up: lora A x", K_->lora, off, E, lora->a, lora->rank, H, P<const void>(x),
                      x_bf16, x_stride, P<const int32_t>(tok_), ax);
@@ -236,7 +237,7 @@ void Engine::down(uintptr_t hq_, int64_t lda, uintptr_t hs_, uintptr_t off_, uin
   float *parts = P<float>(parts_), *ah = P<float>(ah_);
   const int64_t R = off[E];
   if (lora)
-    lora::rank_phase(sched_, "fwd down: lora A h", K_->lora, off, E, lora->a, lora->rank, I, P<const void>(h), false,
+    lora::rank_phase(sched_, "fwd down: lora A h", K_->lora, off, E, lora->a, lora->rank, I, P<const void>(h), true,
                      ldh, nullptr, ah);
   auto task = [&](const Task& t, int pool, int tid, int64_t kb0, int64_t kb1) {
     const int64_t np = t.unit, ncol = std::min<int64_t>(32, H - np * 32), m = t.r1 - t.r0;
@@ -310,7 +311,7 @@ void Engine::bwd_down_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I,
                                  uintptr_t qd, uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t gy,
                                  bool gy_bf16, int64_t gy_stride, uintptr_t tok) {
   lora::down_grads(sched_, K_->lora, P<const int64_t>(off), E, H, I, *lora, P<const float>(qd), P<const float>(w_row),
-                   P<const void>(h), false, ldh, P<const float>(ah), P<const void>(gy), gy_bf16, gy_stride,
+                   P<const void>(h), true, ldh, P<const float>(ah), P<const void>(gy), gy_bf16, gy_stride,
                    P<const int32_t>(tok));
 }
 
@@ -320,7 +321,8 @@ void Engine::bwd_act(uintptr_t gh_, uintptr_t h_, int64_t ldh, uintptr_t g_, uin
                      uintptr_t order_) {
   const auto span = sched_.phase_clock().span("bwd act");
   const int64_t *off = P<const int64_t>(off_), *poff = P<const int64_t>(poff_), *order = P<const int64_t>(order_);
-  const float *gh = P<const float>(gh_), *h = P<const float>(h_), *g = P<const float>(g_), *u = P<const float>(u_);
+  const float *gh = P<const float>(gh_), *g = P<const float>(g_), *u = P<const float>(u_);
+  const uint16_t* h = P<const uint16_t>(h_);
   const float *w_row = P<const float>(w_row_), *gs = P<const float>(gate_scales), *us = P<const float>(up_scales);
   int8_t* ggq = P<int8_t>(ggq_);
   float *ggs = P<float>(ggs_), *grad_w = P<float>(grad_w_);

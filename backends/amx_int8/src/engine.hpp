@@ -53,7 +53,7 @@ class Engine {
   void combine(uintptr_t parts, int64_t nparts, int64_t R, int64_t H, uintptr_t row_of, uintptr_t wgt, int64_t T,
                int64_t K, uintptr_t out, bool out_bf16);
 
-  // Forward. g, u = dequantised (xq @ gate_e^T, xq @ up_e^T) (+ LoRA), h[r] = silu(g) * u (fp32, ldh floats per
+  // Forward. g, u = dequantised (xq @ gate_e^T, xq @ up_e^T) (+ LoRA), h[r] = silu(g) * u (bf16, ldh elements per
   // row); g, u (fp32 [R, I]) saved where their address != 0. With LoRA: first ax[r] = A_e x_tok[r] (fp32 [R, rank];
   // x: the token rows, fp32 or bf16), then each output block adds scale * B_e ax before the SiLU.
   void gate_up(uintptr_t xq, int64_t lda, uintptr_t xs, uintptr_t off, uintptr_t poff, uintptr_t gate,
@@ -61,7 +61,7 @@ class Engine {
                int64_t ldh, uintptr_t g, uintptr_t u, const lora::Projection* lora, uintptr_t x, bool x_bf16,
                int64_t x_stride, uintptr_t tok, uintptr_t ax);
   // parts[p, r, 0:H] = dequantised hq[r] @ down_e^T over pool p's slice of I. With LoRA: first ah[r] = A_e h[r]
-  // (h: fp32, ldh), then one pool per output block adds scale * B_e ah.
+  // (h: bf16, ldh), then one pool per output block adds scale * B_e ah.
   void down(uintptr_t hq, int64_t lda, uintptr_t hs, uintptr_t off, uintptr_t poff, uintptr_t down,
             uintptr_t down_scales, int64_t E, int64_t H, int64_t I, uintptr_t parts, const lora::Projection* lora,
             uintptr_t h, int64_t ldh, uintptr_t ah);
@@ -73,7 +73,7 @@ class Engine {
                 int64_t H, int64_t I, uintptr_t gh, const lora::Projection* lora, uintptr_t gy, bool gy_bf16,
                 int64_t gy_stride, uintptr_t tok, uintptr_t qd);
   // Down's LoRA gradients (lora::grad_phase), apart from bwd_down so that the input gradient can leave first:
-  // dA = scale * sum_r w_r qd_r h_r^T (h fp32) and dB = scale * sum_r w_r gy_r ah_r^T.
+  // dA = scale * sum_r w_r qd_r h_r^T (h bf16) and dB = scale * sum_r w_r gy_r ah_r^T.
   void bwd_down_lora_grads(uintptr_t off, int64_t E, int64_t H, int64_t I, const lora::Projection* lora, uintptr_t qd,
                            uintptr_t w_row, uintptr_t h, int64_t ldh, uintptr_t ah, uintptr_t gy, bool gy_bf16,
                            int64_t gy_stride, uintptr_t tok);

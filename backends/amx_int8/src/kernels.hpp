@@ -39,10 +39,10 @@ struct KernelTable {
   // out[r * ldo + j] = float(C[r * ldc + j]) * (row_scale[r] * (col_scale ? col_scale[j] : 1)), r < m, j < n
   void (*dequant)(const int32_t* C, int64_t ldc, int64_t m, int64_t n, const float* row_scale, const float* col_scale,
                   float* out, int64_t ldo);
-  // h[0:n] = silu(g) * u
-  void (*silu_mul)(const float* g, const float* u, int64_t n, float* h);
+  // h[0:n] = silu(g) * u, rounded to bf16 (what the down projection quantises and backward reads back)
+  void (*silu_mul)(const float* g, const float* u, int64_t n, uint16_t* h);
   // backward of h = silu(g) * u for one row: gg = d/dg, gu = d/du of w * gh_raw . h; returns dot(gh_raw, h).
-  float (*silu_mul_bwd)(const float* gh_raw, const float* h, const float* g, const float* u, int64_t n, float w,
+  float (*silu_mul_bwd)(const float* gh_raw, const uint16_t* h, const float* g, const float* u, int64_t n, float w,
                         float* gg, float* gu);
   // acc[0:n] (+)= a * x  (init: overwrite)
   void (*axpy)(float a, const float* x, float* acc, int64_t n, int init);
