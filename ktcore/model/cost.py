@@ -238,14 +238,15 @@ def _host_memory(shape: ModelShape, s: Setting, cpu_share: float, packed_share: 
                  pinned_share: Optional[float] = None) -> float:
     """Peak host bytes: the CPU's experts in the backend's format (``packed_share`` of them, default the CPU's
     share), the streamed ones pinned (default the rest; auto keeps both copies of some; bf16, or int8 codes with
-    int8 experts), and what the CPU backend keeps for backward (input in bf16, gate and up in fp32 per token-slot;
-    the input alone when recomputing) plus its scratch for one layer (6H + 18I per token-slot)."""
+    int8 experts), and what the CPU backend keeps for backward (per token-slot the input in bf16, gate and up in
+    fp32 and their SiLU product in bf16; the input alone when recomputing) plus its scratch for one layer (6H + 18I
+    per token-slot)."""
     packed_share = cpu_share if packed_share is None else packed_share
     pinned_share = 1 - cpu_share if pinned_share is None else pinned_share
     expert_bytes = shape.routed_params * (packed_share * FORMAT_BYTES[s.weight_format]
                                           + pinned_share * streamed_weight_bytes(s))
     slots = cpu_share * s.tokens * shape.top_k
-    saved = (2 * shape.hidden if s.recompute else 2 * shape.hidden + 8 * shape.expert_intermediate)
+    saved = (2 * shape.hidden if s.recompute else 2 * shape.hidden + 10 * shape.expert_intermediate)
     kept = slots * saved * min(shape.moe_layers, s.cache_depth)
     scratch = slots * (6 * shape.hidden + 18 * shape.expert_intermediate) if cpu_share else 0
     return expert_bytes + kept + scratch + HOST_FIXED_GIB * GIB
@@ -301,8 +302,9 @@ def resident_cost(shape: ModelShape, s: Setting, rates: Rates) -> StepCost:
     """``cpu`` with ``s.gpu_experts`` (N) experts of each layer resident on the GPU: the GPU computes their
     token-slots while the CPU computes the rest. At the uniform routing the model assumes they get N/E of the
     slots (the most used experts get more: a lower bound of their share). GPU memory: their weights once per layer
-    (dequantised at a refresh; expert LoRA beside the GEMMs adds no copy); host: every expert packed once (a choice unpacks the resident ones from the
-    backend's); copies: N experts per layer at each choice (every ``gpu_experts_interval`` steps at most)."""
+    (dequantised at a refresh; expert LoRA beside the GEMMs adds no copy); host: every expert packed once (a choice
+    unpacks the resident ones from the backend's); copies: N experts per layer at each choice (every
+    ``gpu_experts_interval`` steps at most)."""
     n, layers = s.gpu_experts, shape.moe_layers
     share = n / shape.experts
     dense = gpu_dense_s(shape, s, rates)
