@@ -28,8 +28,6 @@ struct Task {
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert computed per inner step (C scratch 32 KB)
 constexpr int64_t kCBlock = kRowChunk * 32;
-// A task covers fewer units where its pool would otherwise get under this many tasks per thread.
-constexpr int64_t kTasksPerThread = 4;
 
 class Scheduler : public ktcore::PoolGroup {
  public:
@@ -67,16 +65,7 @@ class Scheduler : public ktcore::PoolGroup {
       } else {
         kr[p] = {ksplit * p / npools, ksplit * (p + 1) / npools};
       }
-      int64_t g = std::max<int64_t>(1, group);
-      const int64_t want = kTasksPerThread * pool(p).num_threads();
-      while (g > 1 && static_cast<int64_t>(rows.size()) * ((u1 - u0 + g - 1) / g) < want) --g;
-      for (const Task& rt : rows)
-        for (int64_t u = u0; u < u1; u += g) {
-          Task t = rt;
-          t.unit = static_cast<int32_t>(u);
-          t.units = static_cast<int32_t>(std::min(g, u1 - u));
-          tasks[p].push_back(t);
-        }
+      tasks[p] = unit_tasks(p, rows, u0, u1, group);
     }
     run_task_lists(tasks, kr, fn);
   }

@@ -25,8 +25,6 @@ struct Task {
 };
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert per inner step (C scratch 32 KB)
-// A task covers fewer units where its pool would otherwise get under this many tasks per thread.
-constexpr int64_t kTasksPerThread = 4;
 
 class Scheduler : public ktcore::PoolGroup {
  public:
@@ -39,7 +37,7 @@ class Scheduler : public ktcore::PoolGroup {
   // Runs the tasks (expert, up to task_rows rows, units) over all pools at once. split_units: the units [0, units)
   // are divided among the pools; otherwise every pool runs every unit over its own slice [k0, k1) of ksplit
   // K-blocks (partial sums, one output part per pool). A task takes up to `group` consecutive units of its pool's
-  // (the last of a slice may take fewer); fewer where the pool would get under kTasksPerThread tasks per thread.
+  // (unit_tasks).
   void run_split(const int64_t* off, const int64_t* poff, int64_t E, int64_t units, bool split_units, int64_t ksplit,
                  int64_t task_rows, const TaskFn& fn, int64_t group = 1) {
     const int npools = num_pools();
@@ -53,16 +51,7 @@ class Scheduler : public ktcore::PoolGroup {
       const int64_t u0 = split_units ? units * p / npools : 0, u1 = split_units ? units * (p + 1) / npools : units;
       kr[p] = split_units ? std::make_pair<int64_t, int64_t>(0, 0)
                           : std::make_pair(ksplit * p / npools, ksplit * (p + 1) / npools);
-      int64_t g = std::max<int64_t>(1, group);
-      const int64_t want = kTasksPerThread * pool(p).num_threads();
-      while (g > 1 && static_cast<int64_t>(rows.size()) * ((u1 - u0 + g - 1) / g) < want) --g;
-      for (const Task& rt : rows)
-        for (int64_t u = u0; u < u1; u += g) {
-          Task t = rt;
-          t.unit = static_cast<int32_t>(u);
-          t.units = static_cast<int32_t>(std::min(g, u1 - u));
-          tasks[p].push_back(t);
-        }
+      tasks[p] = unit_tasks(p, rows, u0, u1, group);
     }
     run_task_lists(tasks, kr, fn);
   }

@@ -19,6 +19,9 @@
 
 namespace ktcore {
 
+// A task covers fewer units where its pool would otherwise get under this many tasks per thread (unit_tasks).
+constexpr int64_t kTasksPerThread = 4;
+
 class PoolGroup {
  public:
   // num_threads split as evenly as possible over num_pools pools (at least 1, at most num_threads); the calling
@@ -42,6 +45,25 @@ class PoolGroup {
   ThreadPool& first_pool() { return *pools_[0]; }
   // the wall time of the engine's phases, while switched on
   PhaseClock& phase_clock() { return clock_; }
+
+  // Pool p's tasks: each of `rows` (one Task per row range of an expert) over the units [u0, u1), up to `group`
+  // consecutive units a task (Task::unit, Task::units; the last of the range may take fewer), fewer where the pool
+  // would get under kTasksPerThread tasks per thread.
+  template <class Task>
+  std::vector<Task> unit_tasks(int p, const std::vector<Task>& rows, int64_t u0, int64_t u1, int64_t group) {
+    int64_t g = std::max<int64_t>(1, group);
+    const int64_t want = kTasksPerThread * pool(p).num_threads();
+    while (g > 1 && static_cast<int64_t>(rows.size()) * ((u1 - u0 + g - 1) / g) < want) --g;
+    std::vector<Task> tasks;
+    for (const Task& rt : rows)
+      for (int64_t u = u0; u < u1; u += g) {
+        Task t = rt;
+        t.unit = static_cast<int32_t>(u);
+        t.units = static_cast<int32_t>(std::min(g, u1 - u));
+        tasks.push_back(t);
+      }
+    return tasks;
+  }
 
   // Runs fn(tasks[p][i], p, tid, kr[p].first, kr[p].second) for every task of every pool p, all pools at once.
   template <class Task, class F>
