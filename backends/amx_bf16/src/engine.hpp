@@ -27,10 +27,7 @@ class Engine {
   // src bf16 [E, N, K] contiguous -> dst [E, rup(N,32)/16, rup(K,32)/32, 512] (kernels.hpp's block layout)
   void pack(uintptr_t src, int64_t E, int64_t N, int64_t K, uintptr_t dst);
 
-  // Stable counting sort of the (token, slot) pairs by expert. ids int64 [T*K], w fp32 [T*K]. Outputs: offsets
-  // [E+1] and padded offsets poff [E+1] (expert e's rows start at poff[e] in the tiled buffers); for each row r
-  // (expert-major, then slot order): row_tok[r] (token), order[r] (flat slot), w_row[r]; row_of[slot] = row or
-  // -1 (no expert). Returns R.
+  // ktcore::route_rows (ktcore/route.hpp): the rows of the call by expert. Returns R.
   int64_t route(uintptr_t ids, int64_t T, int64_t K, int64_t E, uintptr_t w, uintptr_t off, uintptr_t poff,
                 uintptr_t row_tok, uintptr_t row_of, uintptr_t order, uintptr_t w_row);
 

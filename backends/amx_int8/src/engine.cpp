@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ktcore/combine.hpp"
+#include "ktcore/route.hpp"
 #include "select.hpp"
 
 namespace ktint8 {
@@ -122,34 +123,10 @@ void Engine::pack_codes(uintptr_t codes_, int64_t E, int64_t N, int64_t K, uintp
   });
 }
 
-int64_t Engine::route(uintptr_t ids_, int64_t T, int64_t Kk, int64_t E, uintptr_t w_, uintptr_t off_, uintptr_t poff_,
-                      uintptr_t row_tok_, uintptr_t row_of_, uintptr_t order_, uintptr_t w_row_) {
-  const int64_t* ids = P<const int64_t>(ids_);
-  const float* w = P<const float>(w_);
-  int64_t *off = P<int64_t>(off_), *poff = P<int64_t>(poff_), *order = P<int64_t>(order_);
-  int32_t *row_tok = P<int32_t>(row_tok_), *row_of = P<int32_t>(row_of_);
-  float* w_row = P<float>(w_row_);
-  const int64_t n = T * Kk;
-  std::fill(off, off + E + 1, 0);
-  for (int64_t i = 0; i < n; ++i)
-    if (ids[i] >= 0 && ids[i] < E) ++off[ids[i] + 1];
-  poff[0] = 0;
-  for (int64_t e = 0; e < E; ++e) poff[e + 1] = poff[e] + rup(off[e + 1], 16);
-  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
-  std::vector<int64_t> next(off, off + E);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t e = ids[i];
-    if (e < 0 || e >= E) {
-      row_of[i] = -1;
-      continue;
-    }
-    const int64_t r = next[e]++;
-    row_of[i] = static_cast<int32_t>(r);
-    row_tok[r] = static_cast<int32_t>(i / Kk);
-    order[r] = i;
-    w_row[r] = w[i];
-  }
-  return off[E];
+int64_t Engine::route(uintptr_t ids, int64_t T, int64_t Kk, int64_t E, uintptr_t w, uintptr_t off, uintptr_t poff,
+                      uintptr_t row_tok, uintptr_t row_of, uintptr_t order, uintptr_t w_row) {
+  return ktcore::route_rows(P<const int64_t>(ids), T, Kk, E, P<const float>(w), P<int64_t>(off), P<int64_t>(poff),
+                            P<int32_t>(row_tok), P<int32_t>(row_of), P<int64_t>(order), P<float>(w_row));
 }
 
 void Engine::quantize_rows(uintptr_t src, bool src_bf16, int64_t src_stride, int64_t n, int64_t npad, uintptr_t off_,
