@@ -332,10 +332,9 @@ def main():
         out(f"| 1 | tile-only peak | | {Meter(1, 'amx').amx_peak(0.3):.0f} |")
         out()
     if args.profile:
-        from ktcore_amx_bf16 import backend as bmod
-
-        bmod._Prof.on = True
-        out("### per-phase profile of forward+backward (ms per call, mean of 5)")
+        engine = amx._engine
+        engine.phase_clock(True)
+        out("### per-phase profile of forward+backward (ms per call, mean of 5; the engine's phase clock)")
         out()
         for (E, K, H, I, Ts) in [(64, 6, 2048, 1408, (1, 16, 512, 4096)), (8, 2, 2048, 1408, (4096,)),
                                  (128, 8, 2048, 768, (512,))]:
@@ -347,17 +346,17 @@ def main():
                 for lora in loras:
                     f = run_fwd_bwd(amx, packed, x, ids, w, gy, lora)
                     f()
-                    bmod._Prof.times.clear()
+                    engine.phase_times()  # starts over
                     t0 = time.perf_counter()
                     for _ in range(5):
                         f()
                     tot = (time.perf_counter() - t0) / 5
-                    phases = " ".join(f"{k}={v / 5 * 1e3:.2f}" for k, v in bmod._Prof.times.items())
+                    phases = " ".join(f"{k}={v / 5 * 1e3:.2f}" for k, (v, _) in engine.phase_times().items())
                     what = f", LoRA r={args.lora_rank}" if lora else ""
                     out(f"- E={E} K={K} T={T}{what}: fwd+bwd {tot * 1e3:.2f} ms | {phases}")
             del packed
             gc.collect()
-        bmod._Prof.on = False
+        engine.phase_clock(False)
         out()
     if args.out:
         with open(args.out, "w") as f:

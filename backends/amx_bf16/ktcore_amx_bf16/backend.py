@@ -12,7 +12,6 @@ accumulate the LoRA gradients per expert in row order.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,25 +78,6 @@ def _ld(n: int) -> int:
     """Row stride (elements) for a bf16 buffer of n columns: avoid multiples of 2 KiB so the 16 rows of a tile
     load do not all fall into the same L1 cache set."""
     return n + 32 if (2 * n) % 2048 == 0 else n
-
-
-class _Prof:
-    """KTCORE_AMX_BF16_PROFILE=1: accumulate wall time per phase (read .times)."""
-
-    on = bool(os.environ.get("KTCORE_AMX_BF16_PROFILE"))
-    times: dict = {}
-
-    def __init__(self):
-        self.t = time.perf_counter()
-
-    def __call__(self, name):
-        if self.on:
-            now = time.perf_counter()
-            _Prof.times[name] = _Prof.times.get(name, 0.0) + now - self.t
-            self.t = now
-
-
-
 
 
 class AMXBF16Backend(ExpertBackendBase):
@@ -189,13 +169,10 @@ class AMXBF16Backend(ExpertBackendBase):
         E, H, I = packed.num_experts, packed.hidden, packed.inter
         hp, ip = packed.hidden_padded, packed.inter_padded
         lora_gu, lora_dn = native_projections(lora, E, H, I)
-        prof = _Prof()
         route = route_rows(self._engine, topk_ids, topk_weights, E)
         R = route.R
-        prof("fwd.route")
         x_rows = token_rows(x)
         xs = self._gather(x_rows, route, hp)
-        prof("fwd.gather")
         ldh = _ld(ip)
         lease = self._saved.lease() if save else None
 
@@ -213,14 +190,11 @@ class AMXBF16Backend(ExpertBackendBase):
                     packed.up.data_ptr(), E, H, I, h.data_ptr(), address(g), address(u), ldh,
                     lora_gu and lora_gu.native(_ext()), x_rows.data_ptr(), x_rows.dtype == torch.bfloat16,
                     x_rows.stride(0), route.row_tok.data_ptr(), address(ax))
-        prof("fwd.gate_up")
         ah = buffer("ah", (R, lora_dn.rank), torch.float32) if lora_dn else None
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         eng.down(h.data_ptr(), off.data_ptr(), packed.down.data_ptr(), E, H, I, parts.data_ptr(), ldh,
                  lora_dn and lora_dn.native(_ext()), address(ah))
-        prof("fwd.down")
         y = combine_parts(eng, parts, route, True, x.dtype, self.pin_outputs)
-        prof("fwd.combine")
         ctx = AMXSaved(x_rows, route, g, u, h, ax, ah, topk_weights.dtype, lease) if save else None
         return y, ctx
 
@@ -241,10 +215,8 @@ class AMXBF16Backend(ExpertBackendBase):
         lora_gu, lora_dn = native_projections(lora, E, H, I, off, pinned=self.pin_outputs, zero_idle=False)
         check_lora_as_saved(ctx, lora_gu, lora_dn)
 
-        prof = _Prof()
         gy_rows = token_rows(grad_y)
         gys = self._gather(gy_rows, route, hp)
-        prof("bwd.gather")
         gh = self._ws.get("gh", (R, I), torch.float32)
         qd = self._ws.get("qd", (R, lora_dn.rank), torch.float32) if lora_dn else None
         # gh (and the LoRA's part of it) is taken before the routing weights; bwd_act applies them
@@ -252,7 +224,6 @@ class AMXBF16Backend(ExpertBackendBase):
         eng.bwd_down(gys.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.down.data_ptr(), E, H, I,
                      gh.data_ptr(), lora_dn and lora_dn.native(_ext()), gy_rows.data_ptr(), gy_bf16,
                      gy_rows.stride(0), route.row_tok.data_ptr(), address(qd))
-        prof("bwd.down")
         ggu = self._ws.get("ggu", (route.padded_rows, 2 * ip), torch.bfloat16)  # tiled like the gathered rows
         # expert LoRA reads the same bf16 gradients as plain rows (a tiled row is not contiguous)
         ggu_rows = self._ws.get("ggu_rows", (R, 2 * I), torch.bfloat16) if lora_gu else None
@@ -262,19 +233,15 @@ class AMXBF16Backend(ExpertBackendBase):
         eng.bwd_act(gh.data_ptr(), ctx.h.data_ptr(), ctx.g.data_ptr(), ctx.u.data_ptr(), route.w_row.data_ptr(),
                     off.data_ptr(), route.padded.data_ptr(), E, I, ggu.data_ptr(), address(ggu_rows), grad_w.data_ptr(),
                     ctx.h.shape[1], route.order.data_ptr())
-        prof("bwd.act")
         parts = self._ws.get("parts", (eng.num_pools, R, H), torch.float32)
         qg = self._ws.get("qg", (R, lora_gu.rank), torch.float32) if lora_gu else None
         eng.bwd_gate_up(ggu.data_ptr(), off.data_ptr(), route.padded.data_ptr(), packed.gate.data_ptr(),
                         packed.up.data_ptr(), E, H, I, parts.data_ptr(), lora_gu and lora_gu.native(_ext()),
                         address(ggu_rows), address(qg))
-        prof("bwd.gate_up")
         grad_x = combine_parts(eng, parts, route, False, grad_y.dtype, self.pin_outputs)
-        prof("bwd.combine")
         grad_w = grad_w.view(T, K).to(ctx.w_dtype)
 
         def lora_grads() -> ExpertLoRAGrads:  # reads this call's workspace: before the backend's next call
-            prof = _Prof()
             if lora_dn:
                 eng.bwd_down_lora_grads(off.data_ptr(), E, H, I, lora_dn.native(_ext()), qd.data_ptr(),
                                         route.w_row.data_ptr(), ctx.h.data_ptr(), ctx.h.shape[1], ctx.ah.data_ptr(),
@@ -283,7 +250,6 @@ class AMXBF16Backend(ExpertBackendBase):
                 eng.bwd_gate_up_lora_grads(off.data_ptr(), E, H, I, lora_gu.native(_ext()), qg.data_ptr(),
                                            ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),
                                            route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu_rows.data_ptr())
-            prof("bwd.lora_grads")
             return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()
 
         return grad_x, grad_w, lora_grads
