@@ -36,12 +36,25 @@ PLANTS = [
           (("scales = (lora.gate_up_scale, lora.down_scale)", "scales = (lora.down_scale, lora.gate_up_scale)"),),
           ("tests/test_torch_backend.py", "backends/amx_bf16/tests/test_amx_bf16.py", "-k", "Contract")),
     Plant("amx_bf16 computes the expert-LoRA gradients before it hands back the input gradient",
-          (('            prof("bwd.lora_grads")\n'
-            "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n\n"
-            "        return grad_x, grad_w, lora_grads\n",
-            '            prof("bwd.lora_grads")\n'
-            "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n\n"
-            "        grads = lora_grads()\n        return grad_x, grad_w, lambda: grads\n"),),
+          (("ctx.h.shape[1], ctx.ah.data_ptr(),\n"
+            "                                        gy_rows.data_ptr(), gy_bf16, gy_rows.stride(0), route.row_tok.data_ptr())\n"
+            "            if lora_gu:\n"
+            "                eng.bwd_gate_up_lora_grads(off.data_ptr(), E, H, I, lora_gu.native(_ext()), qg.data_ptr(),\n"
+            "                                           ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),\n"
+            "                                           route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu_rows.data_ptr())\n"
+            "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n"
+            "\n"
+            "        return grad_x, grad_w, lora_grads\n",  # from a line only amx_bf16 has
+            "ctx.h.shape[1], ctx.ah.data_ptr(),\n"
+            "                                        gy_rows.data_ptr(), gy_bf16, gy_rows.stride(0), route.row_tok.data_ptr())\n"
+            "            if lora_gu:\n"
+            "                eng.bwd_gate_up_lora_grads(off.data_ptr(), E, H, I, lora_gu.native(_ext()), qg.data_ptr(),\n"
+            "                                           ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),\n"
+            "                                           route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu_rows.data_ptr())\n"
+            "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n"
+            "\n"
+            "        grads = lora_grads()\n"
+            "        return grad_x, grad_w, lambda: grads\n"),),
           ("backends/amx_bf16/tests/test_amx_bf16.py", "-k", "second_part")),
     Plant("sha256_file hashes only the first MiB",
           (("        while block := f.read(chunk):\n            h.update(block)\n", "        h.update(f.read(chunk))\n"),),
