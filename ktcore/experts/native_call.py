@@ -1,5 +1,6 @@
 """What the native backends' Python sides share when they call their kernels: tensor addresses, token rows in a
-layout the kernels read, per-thread scratch buffers kept between calls, and the routing their engines sort."""
+layout the kernels read, per-thread scratch buffers kept between calls, the routing their engines sort, and the
+base class of a backend whose engine runs on thread pools."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from . import ExpertBackendBase, ExpertLoRA
 
 
 def address(t: Optional[torch.Tensor]) -> int:
@@ -120,3 +123,24 @@ def unpack_tiles(blocks: torch.Tensor, ids: torch.Tensor, rows: int, cols: int, 
     for i, e in enumerate(ids.tolist()):
         grid[i].copy_(words[e].permute(0, 3, 1, 2))
     return out.view(dtype)[:, :rows, :cols]
+
+
+class EngineBackend(ExpertBackendBase):
+    """A backend whose compiled engine (``self._engine``: thread pools, a kernel table) computes the layer, and whose
+    ``backward_parts`` leaves the expert-LoRA gradients for later: ``backward`` takes them at once."""
+
+    @property
+    def num_threads(self) -> int:
+        return self._engine.num_threads
+
+    @property
+    def num_pools(self) -> int:
+        return self._engine.num_pools
+
+    @property
+    def kernels(self) -> str:
+        return self._engine.kernels
+
+    def backward(self, packed, ctx, grad_y, lora: Optional[ExpertLoRA] = None):
+        grad_x, grad_w, lora_grads = self.backward_parts(packed, ctx, grad_y, lora)
+        return grad_x, grad_w, lora_grads()

@@ -17,11 +17,10 @@ from typing import Optional
 
 import torch
 
-from ktcore.experts import hugepages
-from ktcore.experts.native_call import (Route, Workspace, address, check_lora_as_saved, combine_parts,
-                                        engine_threads, route_rows, token_rows, unpack_tiles)
+from ktcore.experts import ExpertLoRA, ExpertLoRAGrads, ExpertWeights, hugepages
+from ktcore.experts.native_call import (EngineBackend, Route, Workspace, address, check_lora_as_saved,
+                                        combine_parts, engine_threads, route_rows, token_rows, unpack_tiles)
 from ktcore.experts.native_lora import native_grads, native_projections
-from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 
 _SLACK = 32  # extra rows after the row-major h buffer: AMX tiles read whole 16-row groups
@@ -80,7 +79,7 @@ def _ld(n: int) -> int:
     return n + 32 if (2 * n) % 2048 == 0 else n
 
 
-class AMXBF16Backend(ExpertBackendBase):
+class AMXBF16Backend(EngineBackend):
     """BF16 expert backend. ``kernels`` (or ``KTCORE_AMX_BF16_KERNELS``): ``auto`` (AMX tiles where this process
     may use them, else AVX-512 BF16 dot products on the same packed experts), ``amx``, ``avx512``, or ``portable``
     (plain C++ kernels, for tests)."""
@@ -102,18 +101,6 @@ class AMXBF16Backend(ExpertBackendBase):
         self._engine = ext.Engine(threads, pools, kernels)
         self._ws = Workspace()
         self._saved = SavedBufferPool()
-
-    @property
-    def num_threads(self) -> int:
-        return self._engine.num_threads
-
-    @property
-    def num_pools(self) -> int:
-        return self._engine.num_pools
-
-    @property
-    def kernels(self) -> str:
-        return self._engine.kernels
 
     # -- pack ----------------------------------------------------------------------------------------------
     def pack(self, weights: ExpertWeights, activation: str = "silu") -> AMXPacked:
@@ -199,10 +186,6 @@ class AMXBF16Backend(ExpertBackendBase):
         return y, ctx
 
     # -- backward ------------------------------------------------------------------------------------------
-    def backward(self, packed: AMXPacked, ctx: AMXSaved, grad_y, lora: Optional[ExpertLoRA] = None):
-        grad_x, grad_w, lora_grads = self.backward_parts(packed, ctx, grad_y, lora)
-        return grad_x, grad_w, lora_grads()
-
     def backward_parts(self, packed: AMXPacked, ctx: AMXSaved, grad_y, lora: Optional[ExpertLoRA] = None):
         if ctx is None:
             raise ValueError("backward needs the context of forward(..., save=True)")

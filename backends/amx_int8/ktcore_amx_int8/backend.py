@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from ktcore.experts import ExpertBackendBase, ExpertLoRA, ExpertLoRAGrads, ExpertWeights, hugepages
-from ktcore.experts.native_call import (Route, Workspace, address, check_lora_as_saved, combine_parts,
-                                        engine_threads, route_rows, token_rows, unpack_tiles)
+from ktcore.experts import ExpertLoRA, ExpertLoRAGrads, ExpertWeights, hugepages
+from ktcore.experts.native_call import (EngineBackend, Route, Workspace, address, check_lora_as_saved,
+                                        combine_parts, engine_threads, route_rows, token_rows, unpack_tiles)
 from ktcore.experts.native_lora import native_grads, native_projections
 from ktcore.experts.saved_buffers import Lease, SavedBufferPool
 from ktcore.experts.int8 import LAYOUT, Int8Experts
@@ -93,7 +93,7 @@ class Int8Saved:
 
 
 
-class AMXInt8Backend(ExpertBackendBase):
+class AMXInt8Backend(EngineBackend):
     """Int8 expert backend. ``kernels`` (or ``KTCORE_AMX_INT8_KERNELS``): ``auto`` (AMX INT8 where this process may
     use it, else AVX-512 VNNI), ``amx``, ``vnni``, or ``portable`` (plain C++, for tests)."""
 
@@ -112,18 +112,6 @@ class AMXInt8Backend(ExpertBackendBase):
                                "kt_expert_weight_format: bf16 on this CPU") from None
         self._ws = Workspace()
         self._saved = SavedBufferPool()
-
-    @property
-    def num_threads(self) -> int:
-        return self._engine.num_threads
-
-    @property
-    def num_pools(self) -> int:
-        return self._engine.num_pools
-
-    @property
-    def kernels(self) -> str:
-        return self._engine.kernels
 
     # -- pack ----------------------------------------------------------------------------------------------
     def _check(self, activation: str) -> None:
@@ -253,10 +241,6 @@ class AMXInt8Backend(ExpertBackendBase):
         return y, ctx
 
     # -- backward ------------------------------------------------------------------------------------------
-    def backward(self, packed: Int8Packed, ctx: Int8Saved, grad_y, lora: Optional[ExpertLoRA] = None):
-        grad_x, grad_w, lora_grads = self.backward_parts(packed, ctx, grad_y, lora)
-        return grad_x, grad_w, lora_grads()
-
     def backward_parts(self, packed: Int8Packed, ctx: Int8Saved, grad_y, lora: Optional[ExpertLoRA] = None):
         if ctx is None:
             raise ValueError("backward needs the context of forward(..., save=True)")
