@@ -24,6 +24,7 @@ class Plant:
     name: str
     edits: tuple  # (snippet, replacement) pairs, all in one file
     tests: tuple  # pytest arguments
+    where: str = ""  # part of the file's path, where the snippet is in more than one file
 
 
 PLANTS = [
@@ -35,27 +36,13 @@ PLANTS = [
     Plant("gate_up and down LoRA scales swapped where ExpertLayer hands them to autograd",
           (("scales = (lora.gate_up_scale, lora.down_scale)", "scales = (lora.down_scale, lora.gate_up_scale)"),),
           ("tests/test_torch_backend.py", "backends/amx_bf16/tests/test_amx_bf16.py", "-k", "Contract")),
-    Plant("amx_bf16 computes the expert-LoRA gradients before it hands back the input gradient",
-          (("ctx.h.shape[1], ctx.ah.data_ptr(),\n"
-            "                                        gy_rows.data_ptr(), gy_bf16, gy_rows.stride(0), route.row_tok.data_ptr())\n"
-            "            if lora_gu:\n"
-            "                eng.bwd_gate_up_lora_grads(off.data_ptr(), E, H, I, lora_gu.native(_ext()), qg.data_ptr(),\n"
-            "                                           ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),\n"
-            "                                           route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu_rows.data_ptr())\n"
-            "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n"
-            "\n"
-            "        return grad_x, grad_w, lora_grads\n",  # from a line only amx_bf16 has
-            "ctx.h.shape[1], ctx.ah.data_ptr(),\n"
-            "                                        gy_rows.data_ptr(), gy_bf16, gy_rows.stride(0), route.row_tok.data_ptr())\n"
-            "            if lora_gu:\n"
-            "                eng.bwd_gate_up_lora_grads(off.data_ptr(), E, H, I, lora_gu.native(_ext()), qg.data_ptr(),\n"
-            "                                           ctx.x.data_ptr(), ctx.x.dtype == torch.bfloat16, ctx.x.stride(0),\n"
-            "                                           route.row_tok.data_ptr(), ctx.ax.data_ptr(), ggu_rows.data_ptr())\n"
-            "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n"
-            "\n"
-            "        grads = lora_grads()\n"
-            "        return grad_x, grad_w, lambda: grads\n"),),
-          ("backends/amx_bf16/tests/test_amx_bf16.py", "-k", "second_part")),
+    *(Plant(f"{name} computes the expert-LoRA gradients before it hands back the input gradient",
+            (("            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n\n"
+              "        return grad_x, grad_w, lora_grads\n",
+              "            return native_grads(lora, lora_gu, lora_dn) if lora is not None else ExpertLoRAGrads()\n\n"
+              "        grads = lora_grads()\n        return grad_x, grad_w, lambda: grads\n"),),
+            (f"backends/{name}/tests/test_{name}.py", "-k", "second_part"), where=f"{name}/")
+      for name in ("amx_bf16", "amx_int8")),
     Plant("sha256_file hashes only the first MiB",
           (("        while block := f.read(chunk):\n            h.update(block)\n", "        h.update(f.read(chunk))\n"),),
           ("tests/test_adapters.py",)),
@@ -85,15 +72,16 @@ PLANTS = [
 ]
 
 
-def holder(snippet: str) -> Path | None:
-    """The one tracked Python file holding ``snippet``."""
+def holder(snippet: str, where: str = "") -> Path | None:
+    """The one tracked Python file holding ``snippet`` (of those whose path contains ``where``)."""
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
-    found = [ROOT / f for f in files.stdout.split() if "/tests/" not in f"/{f}" and snippet in (ROOT / f).read_text()]
+    found = [ROOT / f for f in files.stdout.split()
+             if "/tests/" not in f"/{f}" and where in f and snippet in (ROOT / f).read_text()]
     return found[0] if len(found) == 1 else None
 
 
 def run(plant: Plant) -> str:
-    path = holder(plant.edits[0][0])
+    path = holder(plant.edits[0][0], plant.where)
     if path is None or any(old not in path.read_text() for old, _ in plant.edits):
         return "stale"
     if subprocess.run(["git", "diff", "--quiet", "--", str(path)], cwd=ROOT).returncode:
