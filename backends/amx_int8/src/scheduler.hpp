@@ -20,8 +20,8 @@ inline int64_t rup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 struct Task {
   int32_t e, unit, units;  // output units [unit, unit + units) of expert e (units > 1 only in backward)
-  int64_t r0, r1;   // rows [r0, r1) of expert e's rows
-  int64_t p0;       // row r0 in the quantised buffers (each expert's rows padded to a multiple of 16)
+  int64_t r0, r1;          // rows [r0, r1) of expert e's rows
+  int64_t p0;              // row r0 in the quantised buffers (each expert's rows padded to a multiple of 16)
 };
 
 constexpr int64_t kRowChunk = 256;  // rows of one expert per inner step (C scratch 32 KB)
