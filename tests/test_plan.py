@@ -86,20 +86,18 @@ def test_predictions_match_the_h200_runs(shapes, shape, tokens, placement, tok_s
 
 
 # 27 layers at 8K, streamed with expert LoRA beside the GEMMs (2026-12-06 lease, RESULTS.md): kt_stream_activation
-# recompute, with and without checkpointing; tok/s None where the model is off: int8 streams are GPU-bound, and the
-# model's GPU time for them is 1.38x short
+# recompute, with and without checkpointing (int8 streams are bound by the GPU's own work there)
 STREAMED = [
     ({"stream_recompute": True}, 8040, 29.5, 28.6),
     ({"stream_recompute": True, "gradient_checkpointing": True}, 7130, 9.70, 28.6),
-    ({"stream_recompute": True, "gradient_checkpointing": True, "weight_format": "int8"}, None, 9.70, 15.3),
+    ({"stream_recompute": True, "gradient_checkpointing": True, "weight_format": "int8"}, 7380, 9.70, 15.3),
 ]
 
 
 @pytest.mark.parametrize("setting,tok_s,gpu,host", STREAMED)
 def test_streamed_predictions_match_the_h200_runs(shapes, setting, tok_s, gpu, host):
     cost = predict(shapes["dsv2lite27"], Setting(tokens=8192, **setting), load_rates(H200), "gpu_stream")
-    if tok_s is not None:
-        assert cost.tokens_per_s == pytest.approx(tok_s, rel=0.3)  # measured 8% at most
+    assert cost.tokens_per_s == pytest.approx(tok_s, rel=0.3)  # bf16 8% at most, int8 22%
     assert cost.gpu_gib == pytest.approx(gpu, rel=0.2)  # 3%
     assert cost.host_gib == pytest.approx(host, rel=0.2)  # 4%: pinned blocks locked at their own size
 
