@@ -327,7 +327,9 @@ def test_training_steps_try_each_candidate_then_keep_one(tmp_path, capsys):
     policies, taken, modelled = [], [], []
     for _ in range(3 * TRIAL_STEPS + 2):
         loss = model(ids, labels=ids).loss
-        policies.append(auto.policy), taken.append(first.n), modelled.append(auto._split(first, 256, MODEL))
+        policies.append(auto.policy)
+        taken.append(first.n)
+        modelled.append(auto._split(first, 256, MODEL))
         loss.backward()
         with torch.no_grad():
             model(ids)
